@@ -1,0 +1,30 @@
+"""Errors the library raises. Each names what was wrong."""
+
+
+class DCRError(Exception):
+    """Base class for NeMo-DCR errors."""
+
+
+class PayloadRejected(DCRError):
+    """A payload failed validation; nothing from it was written."""
+
+    def __init__(self, payload_id: str | None, reason: str):
+        self.payload_id = payload_id
+        self.reason = reason
+        super().__init__(f"payload {payload_id or '<unknown>'} rejected: {reason}")
+
+
+class ConverterError(DCRError):
+    """A converter table does not describe the model exactly (caught at start-up)."""
+
+
+class ApplyError(DCRError):
+    """A record could not be applied through the runtime's loader (fails closed)."""
+
+
+class TransferFailed(DCRError):
+    """A transfer did not commit; baselines and serving versions stay at the base."""
+
+
+class TransportError(DCRError):
+    """A transport could not deliver within its configured limits."""

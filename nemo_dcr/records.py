@@ -1,0 +1,63 @@
+"""What travels: records (one canonical tensor's changes) grouped into payloads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+
+class Op(str, Enum):
+    """How changed elements are carried; all three are bit-exact."""
+
+    XOR = "xor"  # value = new ^ old
+    ADD = "add"  # value = (new - old) mod 2**width on the integer view
+    OVERWRITE = "overwrite"  # value = new bits
+
+
+@dataclass(frozen=True)
+class Record:
+    """Changes to one canonical tensor.
+
+    positions: sorted, strictly increasing flat indices (uint64) into `shape`.
+    values: unsigned bit values (width = dtype itemsize), one per position.
+    """
+
+    name: str
+    dtype: str  # canonical dtype name, see nemo_dcr.dtypes
+    shape: tuple[int, ...]
+    op: Op
+    positions: np.ndarray
+    values: np.ndarray
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class PayloadHeader:
+    """Identity of a payload: retries resend identical bytes under the same identity."""
+
+    transfer_id: str
+    base_version: int
+    target_version: int
+    producer_id: str
+    payload_id: str  # unique within the transfer, e.g. "<producer>-<seq>"
+
+
+@dataclass
+class Payload:
+    header: PayloadHeader
+    records: list[Record] = field(default_factory=list)
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(len(r) for r in self.records)
