@@ -1,0 +1,158 @@
+"""Placement algebra: fixed, bit-preserving index maps from training shards to
+canonical (Hugging Face checkpoint) coordinates.
+
+A local parameter's flat index space is covered by `Piece`s. Each piece is a
+row-major block of `rows x cols` local elements, contiguous in local flat order,
+whose element (r, c) lands at canonical flat index `offset + r * row_stride + c`
+of one canonical tensor. Every tensor-parallel split Megatron uses (column, row,
+vocab, fused QKV, fused gate/up) is a handful of such pieces per parameter, so
+mapping a sorted array of changed local positions is a few vectorised integer
+operations per piece. Local elements covered by no piece are dropped on purpose
+(vocab padding, replicas owned by another rank); the converter declares why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Piece:
+    canonical: str
+    local_start: int
+    rows: int
+    cols: int
+    offset: int  # canonical flat index of local element (0, 0) of the block
+    row_stride: int  # canonical distance between consecutive block rows
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def local_stop(self) -> int:
+        return self.local_start + self.size
+
+    def canonical_index(self, local: np.ndarray) -> np.ndarray:
+        """Canonical flat indices of local flat indices inside this piece (int64)."""
+        rel = local - self.local_start
+        r, c = np.divmod(rel, self.cols)
+        return self.offset + r * self.row_stride + c
+
+    def canonical_runs(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Contiguous canonical runs (starts, lengths) covered by local range [lo, hi).
+
+        Used for exact-cover checks without materialising indices: one run per
+        touched block row.
+        """
+        lo, hi = max(lo, self.local_start), min(hi, self.local_stop)
+        if hi <= lo:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        first_row = (lo - self.local_start) // self.cols
+        last_row = (hi - 1 - self.local_start) // self.cols
+        rows = np.arange(first_row, last_row + 1, dtype=np.int64)
+        row_lo = np.maximum(self.local_start + rows * self.cols, lo)
+        row_hi = np.minimum(self.local_start + (rows + 1) * self.cols, hi)
+        return self.canonical_index(row_lo), row_hi - row_lo
+
+
+@dataclass(frozen=True)
+class AffineMap:
+    """All pieces of one local parameter, sorted by local start, non-overlapping."""
+
+    local_name: str
+    numel: int
+    pieces: tuple[Piece, ...]
+    dropped_reason: str = ""  # why uncovered local elements are dropped
+    _starts: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        pieces = tuple(sorted(self.pieces, key=lambda p: p.local_start))
+        object.__setattr__(self, "pieces", pieces)
+        end = 0
+        for p in pieces:
+            if p.rows < 0 or p.cols <= 0 or p.local_start < end or p.local_stop > self.numel:
+                raise ValueError(f"{self.local_name}: invalid or overlapping piece {p}")
+            end = p.local_stop
+        starts = np.array([p.local_start for p in pieces], dtype=np.int64)
+        object.__setattr__(self, "_starts", starts)
+
+    @property
+    def covered(self) -> int:
+        return sum(p.size for p in self.pieces)
+
+    def place(self, local: np.ndarray) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """Map sorted local flat positions to canonical coordinates.
+
+        Returns (canonical name, canonical positions, index into `local`) per
+        touched piece; positions outside every piece are dropped. Pieces of the
+        same canonical tensor are returned separately (callers merge and sort).
+        """
+        out = []
+        if local.size == 0:
+            return out
+        bounds = np.searchsorted(local, self._starts, side="left")
+        for i, p in enumerate(self.pieces):
+            lo = bounds[i]
+            hi = np.searchsorted(local, p.local_stop, side="left")
+            if hi > lo:
+                out.append((p.canonical, p.canonical_index(local[lo:hi]), np.arange(lo, hi)))
+        return out
+
+
+def merge_placed(placed: list[tuple[str, np.ndarray, np.ndarray]]):
+    """Group placed pieces by canonical name: name -> (sorted positions, source index)."""
+    groups: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for name, pos, src in placed:
+        groups.setdefault(name, []).append((pos, src))
+    merged = {}
+    for name, parts in groups.items():
+        pos = np.concatenate([p for p, _ in parts]) if len(parts) > 1 else parts[0][0]
+        src = np.concatenate([s for _, s in parts]) if len(parts) > 1 else parts[0][1]
+        if pos.size > 1 and not np.all(pos[1:] > pos[:-1]):
+            order = np.argsort(pos, kind="stable")
+            pos, src = pos[order], src[order]
+        merged[name] = (pos.astype(np.uint64, copy=False), src)
+    return merged
+
+
+def check_exact_cover(
+    runs: dict[str, list[tuple[np.ndarray, np.ndarray, str]]], numels: dict[str, int]
+) -> None:
+    """Every canonical element owned exactly once.
+
+    runs: canonical name -> list of (starts, lengths, owner description).
+    Raises ConverterError naming the tensor, the first bad element and the owners.
+    """
+    from nemo_dcr.errors import ConverterError
+
+    unknown = sorted(set(runs) - set(numels))
+    if unknown:
+        raise ConverterError(f"pieces target tensors that the checkpoint does not hold: {unknown[:5]}")
+    for name, numel in numels.items():
+        parts = runs.get(name, [])
+        if not parts:
+            raise ConverterError(f"canonical tensor {name!r} is owned by no rank")
+        starts = np.concatenate([s for s, _, _ in parts])
+        lengths = np.concatenate([n for _, n, _ in parts])
+        owners = np.concatenate([np.full(len(s), i) for i, (s, _, _) in enumerate(parts)])
+        order = np.argsort(starts, kind="stable")
+        starts, lengths, owners = starts[order], lengths[order], owners[order]
+        ends = starts + lengths
+        if starts[0] != 0:
+            raise ConverterError(f"{name!r}: elements [0, {starts[0]}) are owned by no rank")
+        gaps = np.nonzero(starts[1:] != ends[:-1])[0]
+        if gaps.size:
+            i = gaps[0]
+            if starts[i + 1] < ends[i]:
+                a, b = parts[owners[i]][2], parts[owners[i + 1]][2]
+                raise ConverterError(
+                    f"{name!r}: element {starts[i + 1]} is owned twice ({a} and {b})"
+                )
+            raise ConverterError(f"{name!r}: elements [{ends[i]}, {starts[i + 1]}) are owned by no rank")
+        if ends[-1] != numel:
+            if ends[-1] > numel:
+                raise ConverterError(f"{name!r}: pieces reach element {ends[-1]} beyond its {numel} elements")
+            raise ConverterError(f"{name!r}: elements [{ends[-1]}, {numel}) are owned by no rank")

@@ -1,0 +1,1 @@
+"""Transports (imported as nemo_dcr.transports.<name>): local, and more behind one contract."""
