@@ -1,0 +1,633 @@
+"""Wire codec, format v1: `Payload` <-> bytes. The full spec is docs/wire-format.md.
+
+Byte layout (all integers little-endian):
+
+    offset          size   field
+    0               4      magic b"NDCR"
+    4               2      u16 format version (= 1)
+    6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
+    8               4      u32 header length H
+    12              H      header: JSON, UTF-8, sorted keys, no whitespace
+    12+H            B      body: compressed sections, back to back, in record order
+                           (each record: positions section, then values section)
+    12+H+B          16     BLAKE2b-128 of bytes [0, 12+H+B)
+    12+H+B+16       32     HMAC-SHA256 of bytes [0, 12+H+B+16)   (only if flag bit 0)
+
+B is `body_bytes` in the header. Each non-empty section is exactly one zstd frame that
+declares its content size; an empty section (raw length 0) has no frame at all.
+
+`decode` validates everything - framing, checksum, HMAC, header schema, sizes, limits,
+every position and value - before it returns, so a receiver can reject a payload
+before it writes a byte. Every failure is a `PayloadRejected` naming the payload and
+the reason. Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import zstandard
+
+from . import dtypes
+from .errors import PayloadRejected
+from .positions import MAX_NUMEL, PositionsError, check_positions, decode_runs, encode_runs
+from .records import Op, Payload, PayloadHeader, Record
+
+MAGIC = b"NDCR"
+FORMAT_VERSION = 1
+FLAG_HMAC = 0x0001
+_PREFIX = struct.Struct("<4sHHI")
+PREFIX_BYTES = _PREFIX.size  # 12
+CHECKSUM_BYTES = 16
+HMAC_BYTES = 32
+
+POSITION_ENCODINGS = ("runs", "all")
+VALUE_ENCODINGS = ("planes",)
+
+_ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
+# Frames we write use far smaller windows (level 19: 8 MiB); a larger declared window
+# is refused rather than allocated.
+_MAX_WINDOW = 1 << 27
+_GiB = 1 << 30
+
+_TOP_KEYS = frozenset(
+    {"base_version", "body_bytes", "payload_id", "producer_id", "raw_bytes", "records",
+     "target_version", "transfer_id"}
+)
+_RECORD_KEYS = frozenset({"count", "dtype", "name", "op", "positions", "shape", "values"})
+_SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
+_POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "all": frozenset({"encoding"})}
+_VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"}}
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """Receiver-side bounds; anything larger is rejected before it is allocated.
+
+    Raw sizes are decoded sizes: a section's uncompressed bytes, and for positions
+    also the decoded index array (8 bytes per position), so a tiny "runs" section
+    cannot expand into an unbounded array.
+    """
+
+    max_payload_bytes: int = 4 * _GiB
+    max_raw_bytes: int = 4 * _GiB  # per section (and per record's decoded positions)
+    max_records: int = 1 << 20
+    max_header_bytes: int = 64 << 20
+    max_total_raw_bytes: int = 16 * _GiB  # everything one decode may materialise
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the receiver expects this payload to belong to; None = don't check."""
+
+    transfer_id: str | None = None
+    base_version: int | None = None
+    target_version: int | None = None
+
+
+@dataclass(frozen=True)
+class _Section:
+    offset: int
+    length: int
+    raw_length: int
+
+
+@dataclass(frozen=True)
+class _RecordMeta:
+    name: str
+    dtype: dtypes.DType
+    shape: tuple[int, ...]
+    numel: int
+    op: Op
+    count: int
+    positions_encoding: str
+    positions: _Section | None
+    values: _Section
+
+
+class _Bad(Exception):
+    """Internal: a validation failure; `decode` re-raises it as PayloadRejected."""
+
+
+class _Rejecting:
+    """Context: any failure inside becomes PayloadRejected(pid, reason)."""
+
+    def __init__(self) -> None:
+        self.pid: str | None = None  # set as soon as the header names the payload
+
+    def __enter__(self) -> _Rejecting:
+        return self
+
+    def __exit__(self, et: Any, e: BaseException | None, tb: Any) -> None:
+        if e is None or isinstance(e, PayloadRejected) or not isinstance(e, Exception):
+            return  # propagate unchanged (None: never swallow)
+        if isinstance(e, (_Bad, PositionsError)):
+            raise PayloadRejected(self.pid, str(e)) from None
+        # Safety net: malformed input must never escape as another exception type.
+        raise PayloadRejected(self.pid, f"malformed payload ({type(e).__name__}: {e})") from e
+
+
+# ======================================================================== encode
+
+
+def encode(payload: Payload, *, key: bytes | None = None, level: int = 1) -> bytes:
+    """Serialize `payload` (format v1). Raises ValueError on an invalid payload.
+
+    key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
+    level: zstd compression level for every section.
+    """
+    h = payload.header
+    _check_identity(h, ValueError)
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    sections: list[bytes] = []
+    metas: list[dict[str, Any]] = []
+    seen: dict[str, list[Record]] = {}
+    cursor = raw_total = 0
+
+    def add_section(raw: bytes) -> dict[str, int]:
+        nonlocal cursor, raw_total
+        comp = cctx.compress(raw) if raw else b""
+        sec = {"offset": cursor, "length": len(comp), "raw_length": len(raw)}
+        sections.append(comp)
+        cursor += len(comp)
+        raw_total += len(raw)
+        return sec
+
+    for r in payload.records:
+        where = f"record {r.name!r}"
+        if not isinstance(r.name, str) or not r.name:
+            raise ValueError(f"{where}: name must be a non-empty string")
+        dt = dtypes.from_name(r.dtype)
+        op = Op(r.op)
+        shape = tuple(r.shape)
+        if not all(type(s) is int or isinstance(s, np.integer) for s in shape):
+            raise ValueError(f"{where}: shape {shape!r} must hold integers")
+        shape = tuple(int(s) for s in shape)
+        numel = _numel(shape)
+        if numel is None:
+            raise ValueError(f"{where}: shape {shape} has a negative dim or > 2**63 elements")
+        pos = _positions_u64(r.positions, where)
+        why = check_positions(pos, numel)
+        if why:
+            raise ValueError(f"{where}: {why}")
+        vals = _values_bits(r.values, dt, where)
+        if vals.shape[0] != pos.shape[0]:
+            raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
+        count = int(pos.shape[0])
+        if count == numel and numel > 0:
+            pmeta: dict[str, Any] = {"encoding": "all"}
+        else:
+            pmeta = {"encoding": "runs", **add_section(encode_runs(pos))}
+        planes = np.ascontiguousarray(vals.view(np.uint8).reshape(count, dt.itemsize).T)
+        vmeta = {"encoding": "planes", "width": dt.itemsize, **add_section(planes.tobytes())}
+        metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
+                      "count": count, "positions": pmeta, "values": vmeta})
+        for other in seen.get(r.name, []):
+            if other.dtype != r.dtype or tuple(other.shape) != shape:
+                raise ValueError(f"{where} appears twice with different dtype/shape")
+        seen.setdefault(r.name, []).append(Record(r.name, dt.name, shape, op, pos, vals))
+    for name, recs in seen.items():
+        if len(recs) > 1 and _overlap([r.positions for r in recs]):
+            raise ValueError(f"record {name!r} appears more than once with overlapping positions")
+
+    header = {"transfer_id": h.transfer_id, "base_version": h.base_version,
+              "target_version": h.target_version, "producer_id": h.producer_id,
+              "payload_id": h.payload_id, "raw_bytes": raw_total, "body_bytes": cursor,
+              "records": metas}
+    hbytes = json.dumps(header, sort_keys=True, separators=(",", ":"),
+                        ensure_ascii=False).encode("utf-8")
+    flags = FLAG_HMAC if key is not None else 0
+    out = bytearray(_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hbytes)))
+    out += hbytes
+    for s in sections:
+        out += s
+    out += hashlib.blake2b(out, digest_size=CHECKSUM_BYTES).digest()
+    if key is not None:
+        out += hmac.new(_key_bytes(key), out, hashlib.sha256).digest()
+    return bytes(out)
+
+
+def _positions_u64(positions: Any, where: str) -> np.ndarray:
+    p = np.asarray(positions)
+    if p.ndim != 1:
+        raise ValueError(f"{where}: positions must be 1-D, got shape {p.shape}")
+    if p.size and p.dtype.kind not in "ui":
+        raise ValueError(f"{where}: positions must be integers, got {p.dtype}")
+    if p.size and p.dtype.kind == "i" and int(p.min()) < 0:
+        raise ValueError(f"{where}: negative position")
+    return np.ascontiguousarray(p, dtype=np.uint64)
+
+
+def _values_bits(values: Any, dt: dtypes.DType, where: str) -> np.ndarray:
+    v = np.asarray(values)
+    if v.ndim != 1:
+        raise ValueError(f"{where}: values must be 1-D, got shape {v.shape}")
+    if v.dtype.kind not in "uib" or v.dtype.itemsize != dt.itemsize:
+        raise ValueError(f"{where}: value width/dtype {v.dtype} does not match "
+                         f"{dt.name} (expected {dt.bits_numpy})")
+    if v.dtype.kind != "b":
+        v = v.astype(v.dtype.newbyteorder("<"), copy=False)
+    return np.ascontiguousarray(v).view(dt.bits_numpy)
+
+
+def _key_bytes(key: bytes) -> bytes:
+    k = bytes(key)
+    if not k:
+        raise ValueError("empty HMAC key")
+    return k
+
+
+# ======================================================================== decode
+
+
+def decode(
+    data: bytes | memoryview,
+    *,
+    key: bytes | None = None,
+    catalog: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
+    expected: Expected | None = None,
+    limits: DecodeLimits = DecodeLimits(),
+) -> Payload:
+    """Validate and decode a payload; raise PayloadRejected(payload_id, reason) if bad.
+
+    key: when given the payload must carry a valid HMAC; a signed payload is also
+         rejected when no key is given (it cannot be verified).
+    catalog: canonical name -> (dtype name, shape) the receiver serves.
+    expected: transfer id / versions the receiver is waiting for.
+    """
+    kbytes = _key_bytes(key) if key is not None else None
+    mv = _as_bytes_view(data)
+    with _Rejecting() as guard:
+        flags, hlen, body_len = _parse_prefix(mv, limits)
+        hbytes = bytes(mv[PREFIX_BYTES:PREFIX_BYTES + hlen])
+        guard.pid, declared_body = _sniff(hbytes)
+        if declared_body is not None and declared_body != body_len:
+            want = len(mv) - body_len + declared_body
+            why = "truncated" if want > len(mv) else "trailing bytes"
+            raise _Bad(f"{why}: header declares a {want}-byte payload, got {len(mv)} bytes")
+        end = PREFIX_BYTES + hlen + body_len
+        digest = hashlib.blake2b(mv[:end], digest_size=CHECKSUM_BYTES).digest()
+        if not hmac.compare_digest(digest, mv[end:end + CHECKSUM_BYTES]):
+            raise _Bad("checksum mismatch (BLAKE2b-128): payload corrupt or truncated")
+        signed = bool(flags & FLAG_HMAC)
+        if signed and kbytes is None:
+            raise _Bad("payload carries an HMAC but no key is configured to verify it")
+        if kbytes is not None:
+            if not signed:
+                raise _Bad("HMAC missing: a key is configured but the payload is unsigned")
+            end += CHECKSUM_BYTES
+            mac = hmac.new(kbytes, mv[:end], hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, mv[end:end + HMAC_BYTES]):
+                raise _Bad("HMAC mismatch: payload forged or signed with another key")
+        header, metas = _parse_header(hbytes, body_len, limits)
+        guard.pid = header.payload_id
+        _check_expected(header, expected)
+        _check_catalog(metas, catalog)
+        body = mv[PREFIX_BYTES + hlen:PREFIX_BYTES + hlen + body_len]
+        dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
+        records = [_decode_record(m, body, dctx) for m in metas]
+        _check_no_overlap(records)
+        return Payload(header=header, records=records)
+
+
+def peek_header(data: bytes | memoryview, *, limits: DecodeLimits = DecodeLimits()) -> PayloadHeader:
+    """The payload's identity, for dedup and routing, without touching the body.
+
+    Checks magic, version, flags, lengths and the header schema; does NOT verify the
+    checksum or HMAC, so the result is untrusted until `decode` accepts the payload.
+    """
+    mv = _as_bytes_view(data)
+    with _Rejecting() as guard:
+        _, hlen, body_len = _parse_prefix(mv, limits)
+        hbytes = bytes(mv[PREFIX_BYTES:PREFIX_BYTES + hlen])
+        guard.pid, _ = _sniff(hbytes)
+        header, _ = _parse_header(hbytes, body_len, limits)
+        return header
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    try:
+        mv = memoryview(data)
+        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+    except TypeError as e:
+        raise PayloadRejected(None, f"payload must be contiguous bytes ({e})") from None
+
+
+def _parse_prefix(mv: memoryview, limits: DecodeLimits) -> tuple[int, int, int]:
+    """(flags, header length, body length) from the fixed prefix and total length."""
+    n = len(mv)
+    if n > limits.max_payload_bytes:
+        raise _Bad(f"payload of {n} bytes exceeds limit max_payload_bytes={limits.max_payload_bytes}")
+    if n >= 4 and bytes(mv[:4]) != MAGIC:
+        raise _Bad(f"bad magic {bytes(mv[:4])!r} (expected {MAGIC!r})")
+    if n < PREFIX_BYTES:
+        raise _Bad(f"truncated: {n} bytes, shorter than the {PREFIX_BYTES}-byte prefix")
+    _, version, flags, hlen = _PREFIX.unpack(mv[:PREFIX_BYTES])
+    if version != FORMAT_VERSION:
+        raise _Bad(f"unsupported format version {version} (this decoder reads {FORMAT_VERSION})")
+    if flags & ~FLAG_HMAC:
+        raise _Bad(f"unknown flag bits 0x{flags & ~FLAG_HMAC:04x}")
+    if hlen > limits.max_header_bytes:
+        raise _Bad(f"header of {hlen} bytes exceeds limit max_header_bytes={limits.max_header_bytes}")
+    trailer = CHECKSUM_BYTES + (HMAC_BYTES if flags & FLAG_HMAC else 0)
+    body_len = n - PREFIX_BYTES - hlen - trailer
+    if body_len < 0:
+        raise _Bad(f"truncated: {n} bytes cannot hold the {hlen}-byte header and {trailer}-byte trailer")
+    return flags, hlen, body_len
+
+
+def _sniff(hbytes: bytes) -> tuple[str | None, int | None]:
+    """Best effort (payload_id, body_bytes) for error messages before full validation."""
+    try:
+        h = json.loads(hbytes.decode("utf-8"))
+    except Exception:
+        return None, None
+    if not isinstance(h, dict):
+        return None, None
+    pid = h.get("payload_id")
+    body = h.get("body_bytes")
+    return (pid if isinstance(pid, str) else None,
+            body if type(body) is int and body >= 0 else None)
+
+
+# ---------------------------------------------------------------- header schema
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise _Bad("malformed header JSON: duplicate key")
+    return d
+
+
+def _reject_constant(name: str) -> Any:
+    raise _Bad(f"malformed header JSON: non-standard constant {name}")
+
+
+def _fields(obj: Any, keys: frozenset[str], where: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise _Bad(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = keys - obj.keys()
+    extra = obj.keys() - keys
+    if missing:
+        raise _Bad(f"{where}: missing field(s) {sorted(missing)}")
+    if extra:
+        raise _Bad(f"{where}: unknown field(s) {sorted(extra)}")
+    return obj
+
+
+def _int(v: Any, where: str) -> int:
+    if type(v) is not int:
+        raise _Bad(f"{where}: expected an integer, got {type(v).__name__}")
+    if v < 0:
+        raise _Bad(f"{where}: negative value {v}")
+    return v
+
+
+def _str(v: Any, where: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise _Bad(f"{where}: expected a non-empty string, got {type(v).__name__}")
+    return v
+
+
+def _numel(shape: tuple[int, ...]) -> int | None:
+    n = 1
+    for s in shape:
+        if s < 0 or s > MAX_NUMEL:
+            return None
+        n *= s
+        if n > MAX_NUMEL:
+            return None
+    return n
+
+
+def _check_identity(h: PayloadHeader, exc: type[Exception]) -> None:
+    for f in ("transfer_id", "producer_id", "payload_id"):
+        v = getattr(h, f)
+        if not isinstance(v, str) or not v:
+            raise exc(f"header {f}: expected a non-empty string, got {v!r}")
+    for f in ("base_version", "target_version"):
+        v = getattr(h, f)
+        if type(v) is not int or v < 0:
+            raise exc(f"header {f}: expected a non-negative integer, got {v!r}")
+    if h.target_version <= h.base_version:
+        raise exc(f"header: target_version {h.target_version} must be > base_version {h.base_version}")
+
+
+def _parse_header(hbytes: bytes, body_len: int, limits: DecodeLimits
+                  ) -> tuple[PayloadHeader, list[_RecordMeta]]:
+    try:
+        text = hbytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Bad(f"malformed header: not UTF-8 ({e.reason})") from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise _Bad(f"malformed header JSON: {e}") from None
+    top = _fields(raw, _TOP_KEYS, "header")
+    header = PayloadHeader(
+        transfer_id=_str(top["transfer_id"], "header transfer_id"),
+        base_version=_int(top["base_version"], "header base_version"),
+        target_version=_int(top["target_version"], "header target_version"),
+        producer_id=_str(top["producer_id"], "header producer_id"),
+        payload_id=_str(top["payload_id"], "header payload_id"),
+    )
+    _check_identity(header, _Bad)
+    if _int(top["body_bytes"], "header body_bytes") != body_len:
+        raise _Bad(f"declared body_bytes {top['body_bytes']} != actual body {body_len}")
+    declared_raw = _int(top["raw_bytes"], "header raw_bytes")
+    recs = top["records"]
+    if not isinstance(recs, list):
+        raise _Bad("header records: expected a list")
+    if len(recs) > limits.max_records:
+        raise _Bad(f"{len(recs)} records exceed limit max_records={limits.max_records}")
+    metas: list[_RecordMeta] = []
+    cursor = raw_sum = decoded = 0
+    for i, rec in enumerate(recs):
+        m, cursor, raw, dec = _parse_record(rec, i, cursor, limits)
+        metas.append(m)
+        raw_sum += raw
+        decoded += dec
+    if cursor != body_len:
+        raise _Bad(f"sections cover {cursor} bytes but the body has {body_len}")
+    if raw_sum != declared_raw:
+        raise _Bad(f"declared raw_bytes {declared_raw} != sum of section raw lengths {raw_sum}")
+    if decoded > limits.max_total_raw_bytes:
+        raise _Bad(f"decoded size {decoded} exceeds limit max_total_raw_bytes={limits.max_total_raw_bytes}")
+    return header, metas
+
+
+def _section(obj: dict[str, Any], where: str, cursor: int, limits: DecodeLimits) -> _Section:
+    s = _Section(_int(obj["offset"], f"{where} offset"), _int(obj["length"], f"{where} length"),
+                 _int(obj["raw_length"], f"{where} raw_length"))
+    if s.offset != cursor:
+        raise _Bad(f"{where}: offset {s.offset} != expected {cursor} (sections must be contiguous, in order)")
+    if s.raw_length > limits.max_raw_bytes:
+        raise _Bad(f"{where}: raw size {s.raw_length} exceeds limit max_raw_bytes={limits.max_raw_bytes}")
+    if (s.raw_length == 0) != (s.length == 0):
+        raise _Bad(f"{where}: an empty section has no frame (length {s.length}, raw {s.raw_length})")
+    return s
+
+
+def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits
+                  ) -> tuple[_RecordMeta, int, int, int]:
+    """Returns (meta, new cursor, raw bytes of its sections, decoded bytes)."""
+    where = f"record #{i}"
+    rec = _fields(rec, _RECORD_KEYS, where)
+    name = _str(rec["name"], f"{where} name")
+    where = f"record #{i} {name!r}"
+    dname = rec["dtype"]
+    if not isinstance(dname, str) or dname not in dtypes.BY_NAME:
+        raise _Bad(f"{where}: unknown dtype {dname!r}")
+    dt = dtypes.BY_NAME[dname]
+    try:
+        op = Op(rec["op"])
+    except (ValueError, TypeError):
+        raise _Bad(f"{where}: unknown op {rec['op']!r}") from None
+    if not isinstance(rec["shape"], list):
+        raise _Bad(f"{where}: shape must be a list")
+    shape = tuple(_int(s, f"{where} shape") for s in rec["shape"])
+    numel = _numel(shape)
+    if numel is None:
+        raise _Bad(f"{where}: shape {list(shape)} has a dim or more than 2**63 elements")
+    count = _int(rec["count"], f"{where} count")
+    if count > numel:
+        raise _Bad(f"{where}: count {count} > numel {numel}")
+
+    pobj = rec["positions"]
+    penc = pobj.get("encoding") if isinstance(pobj, dict) else None
+    if penc not in _POSITION_KEYS:
+        raise _Bad(f"{where}: unknown position encoding {penc!r}")
+    pobj = _fields(pobj, _POSITION_KEYS[penc], f"{where} positions")
+    psec = None
+    raw = 0
+    if penc == "all":
+        if count != numel:
+            raise _Bad(f"{where}: position encoding 'all' needs count == numel, got {count} != {numel}")
+    else:
+        psec = _section(pobj, f"{where} positions", cursor, limits)
+        cursor += psec.length
+        raw += psec.raw_length
+        # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
+        lo, hi = (2, 20 * count) if count else (0, 0)
+        if not lo <= psec.raw_length <= hi:
+            raise _Bad(f"{where}: positions raw size {psec.raw_length} impossible for count {count}")
+    if 8 * count > limits.max_raw_bytes:
+        raise _Bad(f"{where}: {count} decoded positions exceed limit max_raw_bytes={limits.max_raw_bytes}")
+
+    vobj = rec["values"]
+    venc = vobj.get("encoding") if isinstance(vobj, dict) else None
+    if venc not in _VALUE_KEYS:
+        raise _Bad(f"{where}: unknown value encoding {venc!r}")
+    vobj = _fields(vobj, _VALUE_KEYS[venc], f"{where} values")
+    width = _int(vobj["width"], f"{where} values width")
+    if width != dt.itemsize:
+        raise _Bad(f"{where}: value width {width} != {dt.name} itemsize {dt.itemsize}")
+    vsec = _section(vobj, f"{where} values", cursor, limits)
+    cursor += vsec.length
+    raw += vsec.raw_length
+    if vsec.raw_length != count * width:
+        raise _Bad(f"{where}: values section holds {vsec.raw_length} bytes, "
+                   f"count {count} x width {width} needs {count * width} (values count != positions count)")
+    meta = _RecordMeta(name, dt, shape, numel, op, count, penc, psec, vsec)
+    return meta, cursor, raw, raw + 8 * count
+
+
+# ---------------------------------------------------------------- semantic checks
+
+
+def _check_expected(h: PayloadHeader, exp: Expected | None) -> None:
+    if exp is None:
+        return
+    if exp.transfer_id is not None and h.transfer_id != exp.transfer_id:
+        raise _Bad(f"transfer id mismatch: payload {h.transfer_id!r}, expected {exp.transfer_id!r}")
+    if exp.base_version is not None and h.base_version != exp.base_version:
+        raise _Bad(f"stale version: base_version {h.base_version}, expected {exp.base_version}")
+    if exp.target_version is not None and h.target_version != exp.target_version:
+        raise _Bad(f"stale version: target_version {h.target_version}, expected {exp.target_version}")
+
+
+def _check_catalog(metas: list[_RecordMeta],
+                   catalog: Mapping[str, tuple[str, tuple[int, ...]]] | None) -> None:
+    if catalog is None:
+        return
+    for m in metas:
+        entry = catalog.get(m.name)
+        if entry is None:
+            raise _Bad(f"unknown tensor name {m.name!r} (not in the receiver's catalog)")
+        cdtype, cshape = entry
+        if m.dtype.name != cdtype:
+            raise _Bad(f"{m.name!r}: dtype mismatch: payload {m.dtype.name}, catalog {cdtype}")
+        if m.shape != tuple(int(s) for s in cshape):
+            raise _Bad(f"{m.name!r}: shape mismatch: payload {list(m.shape)}, catalog {list(cshape)}")
+
+
+def _check_no_overlap(records: list[Record]) -> None:
+    by_name: dict[str, list[Record]] = {}
+    for r in records:
+        by_name.setdefault(r.name, []).append(r)
+    for name, recs in by_name.items():
+        if len(recs) < 2:
+            continue
+        if any(r.dtype != recs[0].dtype or r.shape != recs[0].shape for r in recs):
+            raise _Bad(f"duplicate record {name!r} with different dtype/shape")
+        if _overlap([r.positions for r in recs]):
+            raise _Bad(f"duplicate record {name!r} with overlapping positions")
+
+
+def _overlap(arrays: list[np.ndarray]) -> bool:
+    allp = np.sort(np.concatenate(arrays))
+    return bool(allp.size > 1 and np.any(allp[1:] == allp[:-1]))
+
+
+# ---------------------------------------------------------------- sections
+
+
+def _decompress(body: memoryview, sec: _Section, where: str,
+                dctx: zstandard.ZstdDecompressor) -> bytes:
+    """Exactly sec.raw_length bytes, or _Bad. The frame's own claims are not trusted."""
+    if sec.raw_length == 0:
+        return b""
+    frame = body[sec.offset:sec.offset + sec.length]
+    if bytes(frame[:4]) != _ZSTD_FRAME_MAGIC:
+        raise _Bad(f"{where}: section is not a zstd frame")
+    try:
+        declared = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as e:
+        raise _Bad(f"{where}: bad zstd frame header ({e})") from None
+    if declared != sec.raw_length:
+        # Checked before decompressing: the output buffer is sized from the frame.
+        raise _Bad(f"{where}: zstd frame declares {declared} bytes, header says {sec.raw_length} "
+                   "(possible decompression bomb)")
+    try:
+        out = dctx.decompress(frame, max_output_size=sec.raw_length, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise _Bad(f"{where}: zstd decompression failed ({e})") from None
+    if len(out) != sec.raw_length:
+        raise _Bad(f"{where}: decompressed to {len(out)} bytes, header says {sec.raw_length}")
+    return out
+
+
+def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor) -> Record:
+    where = f"record {m.name!r}"
+    if m.positions_encoding == "all":
+        pos = np.arange(m.count, dtype=np.uint64)
+    else:
+        assert m.positions is not None
+        raw = _decompress(body, m.positions, f"{where} positions", dctx)
+        try:
+            pos = decode_runs(raw, m.count, m.numel)
+        except PositionsError as e:
+            raise _Bad(f"{where} positions: {e}") from None
+    vraw = _decompress(body, m.values, f"{where} values", dctx)
+    w = m.dtype.itemsize
+    planes = np.frombuffer(vraw, dtype=np.uint8).reshape(w, m.count)
+    # np.array copies: the caller gets writable arrays that own their memory.
+    vals = np.array(planes.T, order="C").view(m.dtype.bits_numpy).reshape(m.count)
+    return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)

@@ -1,0 +1,678 @@
+"""Wire codec v1: round trips, every rejection reason, and fuzzing (invariant 4)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nemo_dcr import dtypes
+from nemo_dcr.codec import (
+    CHECKSUM_BYTES,
+    FLAG_HMAC,
+    HMAC_BYTES,
+    MAGIC,
+    PREFIX_BYTES,
+    DecodeLimits,
+    Expected,
+    decode,
+    encode,
+    peek_header,
+)
+from nemo_dcr.errors import PayloadRejected
+from nemo_dcr.positions import (
+    PositionsError,
+    decode_runs,
+    encode_runs,
+    leb128_decode,
+    leb128_encode,
+)
+from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+
+KEY = b"k" * 32
+DTYPES = ["BF16", "F16", "F32", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3"]
+HDR = PayloadHeader("xfer-7", 6, 7, "rank3", "rank3-0")
+
+
+def rec(name, dtype, shape, positions, values=None, op=Op.XOR, seed=0):
+    dt = dtypes.from_name(dtype)
+    pos = np.asarray(positions, dtype=np.uint64)
+    if values is None:
+        rng = np.random.default_rng(seed)
+        values = rng.integers(0, 256, size=pos.size * dt.itemsize, dtype=np.uint8)
+        values = values.view(dt.bits_numpy)
+    return Record(name, dtype, tuple(shape), op, pos, np.asarray(values, dtype=dt.bits_numpy))
+
+
+def payload(*records, header=HDR):
+    return Payload(header, list(records))
+
+
+def assert_same(a: Payload, b: Payload):
+    assert a.header == b.header
+    assert len(a.records) == len(b.records)
+    for x, y in zip(a.records, b.records):
+        dt = dtypes.from_name(x.dtype)
+        assert (x.name, x.dtype, tuple(x.shape), Op(x.op)) == (y.name, y.dtype, y.shape, y.op)
+        assert y.positions.dtype == np.uint64 and y.values.dtype == dt.bits_numpy
+        np.testing.assert_array_equal(np.asarray(x.positions, dtype=np.uint64), y.positions)
+        np.testing.assert_array_equal(np.asarray(x.values).view(dt.bits_numpy), y.values)
+
+
+def roundtrip(p: Payload, **kw) -> Payload:
+    key = kw.pop("key", None)
+    out = decode(encode(p, key=key), key=key, **kw)
+    assert_same(p, out)
+    return out
+
+
+def reject(data, reason: str, **kw) -> PayloadRejected:
+    with pytest.raises(PayloadRejected) as ei:
+        decode(data, **kw)
+    assert reason in ei.value.reason, ei.value.reason
+    return ei.value
+
+
+# -------------------------------------------------------------- payload surgery
+
+
+def split(data: bytes) -> tuple[int, dict, list[dict]]:
+    """(flags, header dict, per record {"positions": frame|None, "values": frame})."""
+    _, _, flags, hlen = struct.unpack_from("<4sHHI", data)
+    header = json.loads(data[PREFIX_BYTES:PREFIX_BYTES + hlen])
+    body = data[PREFIX_BYTES + hlen:]
+    secs = []
+    for r in header["records"]:
+        s = {}
+        for part in ("positions", "values"):
+            m = r[part]
+            s[part] = body[m["offset"]:m["offset"] + m["length"]] if "offset" in m else None
+        secs.append(s)
+    return flags, header, secs
+
+
+def assemble(hbytes: bytes, body: bytes, *, key=None, flags=None, magic=MAGIC, version=1) -> bytes:
+    if flags is None:
+        flags = FLAG_HMAC if key is not None else 0
+    out = struct.pack("<4sHHI", magic, version, flags, len(hbytes)) + hbytes + body
+    out += hashlib.blake2b(out, digest_size=CHECKSUM_BYTES).digest()
+    if key is not None:
+        out += hmac.new(key, out, hashlib.sha256).digest()
+    return out
+
+
+def rejoin(header: dict, secs: list[dict], *, key=None, fix=True, **kw) -> bytes:
+    """Lay sections out again (offsets, lengths, totals fixed unless fix=False), reseal."""
+    body = b""
+    raw = 0
+    for r, s in zip(header["records"], secs):
+        for part in ("positions", "values"):
+            if s.get(part) is None:
+                continue
+            if fix:
+                r[part]["offset"], r[part]["length"] = len(body), len(s[part])
+            raw += r[part].get("raw_length", 0)
+            body += s[part]
+    if fix:
+        header["body_bytes"], header["raw_bytes"] = len(body), raw
+    hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return assemble(hbytes, body, key=key, **kw)
+
+
+def zc(raw: bytes, **kw) -> bytes:
+    return zstandard.ZstdCompressor(level=1, **kw).compress(raw) if raw else b""
+
+
+def set_section(header, secs, i, part, raw: bytes, frame: bytes | None = None):
+    header["records"][i][part]["raw_length"] = len(raw)
+    secs[i][part] = zc(raw) if frame is None else frame
+
+
+def sample() -> bytes:
+    return encode(payload(
+        rec("a.weight", "BF16", (8, 16), [0, 1, 2, 9, 50, 127], seed=1),
+        rec("b.bias", "F32", (16,), np.arange(16), seed=2),
+        rec("c.scale", "U8", (4, 4), [3, 4], op=Op.OVERWRITE, seed=3),
+    ))
+
+
+def edited(edit, data=None, **kw) -> bytes:
+    """Decode-free edit of a valid payload: edit(header, secs) then rejoin."""
+    _, header, secs = split(sample() if data is None else data)
+    edit(header, secs)
+    return rejoin(header, secs, **kw)
+
+
+# -------------------------------------------------------------- round trips
+
+
+@st.composite
+def records(draw, name):
+    dtype = draw(st.sampled_from(DTYPES))
+    op = draw(st.sampled_from(list(Op)))
+    shape = tuple(draw(st.lists(st.integers(0, 40), min_size=0, max_size=3)))
+    numel = int(np.prod(shape, dtype=np.int64))
+    seed = draw(st.integers(0, 2**32 - 1))
+    mode = draw(st.sampled_from(["random", "runs", "all", "none", "one"]))
+    rng = np.random.default_rng(seed)
+    if numel == 0 or mode == "none":
+        pos = np.empty(0, np.uint64)
+    elif mode == "all":
+        pos = np.arange(numel, dtype=np.uint64)
+    elif mode == "one":
+        pos = np.array([rng.integers(0, numel)], np.uint64)
+    elif mode == "random":
+        pos = np.flatnonzero(rng.random(numel) < rng.random()).astype(np.uint64)
+    else:  # runs: a mask built from blocks
+        mask = np.repeat(rng.random(numel // 4 + 1) < 0.5, 4)[:numel]
+        mask ^= rng.random(numel) < 0.05
+        pos = np.flatnonzero(mask).astype(np.uint64)
+    return rec(name, dtype, shape, pos, op=op, seed=seed)
+
+
+@st.composite
+def payloads(draw):
+    n = draw(st.integers(0, 4))
+    recs = [draw(records(f"model.layers.{i}.w")) for i in range(n)]
+    base = draw(st.integers(0, 2**40))
+    header = PayloadHeader(draw(st.text(min_size=1, max_size=8)), base, base + 1,
+                           "prod", draw(st.text(min_size=1, max_size=8)))
+    return Payload(header, recs)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payloads(), st.booleans())
+def test_roundtrip_property(p, signed):
+    key = KEY if signed else None
+    data = encode(p, key=key)
+    assert data == encode(p, key=key)  # deterministic: retries resend identical bytes
+    assert peek_header(data) == p.header
+    out = decode(data, key=key)
+    assert_same(p, out)
+    catalog = {r.name: (r.dtype, r.shape) for r in p.records}
+    decode(data, key=key, catalog=catalog, expected=Expected(
+        p.header.transfer_id, p.header.base_version, p.header.target_version))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=50))
+def test_leb128_roundtrip(xs):
+    edge = [0, 1, 127, 128, 2**63 - 1, 2**63, 2**64 - 1] + [2**(7 * k) - 1 for k in range(1, 10)]
+    v = np.array(xs + edge, dtype=np.uint64)
+    np.testing.assert_array_equal(leb128_decode(leb128_encode(v)), v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 2**63 - 1), max_size=40), st.integers(0, 5))
+def test_runs_roundtrip_64bit(s, extra_run):
+    pos = sorted(s | {2**63 - 1 - k for k in range(extra_run)})
+    p = np.array(pos, dtype=np.uint64)
+    np.testing.assert_array_equal(decode_runs(encode_runs(p), p.size, 2**63), p)
+
+
+def test_empty_payload():
+    p = roundtrip(payload())
+    assert p.records == []
+    data = encode(payload())
+    _, header, _ = split(data)
+    assert header["records"] == [] and header["body_bytes"] == 0 and header["raw_bytes"] == 0
+
+
+def test_zero_changes_and_one_element():
+    out = roundtrip(payload(rec("z", "F32", (10, 10), []), rec("one", "BF16", (3, 5), [14])))
+    assert len(out.records[0]) == 0 and out.records[1].positions.tolist() == [14]
+    _, header, _ = split(encode(payload(rec("z", "F32", (10, 10), []))))
+    assert header["records"][0]["positions"]["raw_length"] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_tensor_uses_all_encoding(dtype):
+    for shape in [(7, 9), ()]:
+        numel = int(np.prod(shape, dtype=np.int64))
+        data = encode(payload(rec("full", dtype, shape, np.arange(numel), op=Op.OVERWRITE)))
+        _, header, secs = split(data)
+        assert header["records"][0]["positions"] == {"encoding": "all"}
+        assert secs[0]["positions"] is None
+        out = decode(data)
+        np.testing.assert_array_equal(out.records[0].positions, np.arange(numel))
+
+
+def test_decoded_arrays_are_writable():
+    out = decode(encode(payload(rec("u", "U8", (9,), [1, 2]), rec("h", "BF16", (9,), [3]))))
+    for r in out.records:
+        assert r.positions.flags.writeable and r.values.flags.writeable
+
+
+def test_index_space_beyond_2_31():
+    pos = [0, 1, 2**31 - 1, 2**31, 2**31 + 1, 2**32 + 5, 2**40 - 2, 2**40 - 1]
+    roundtrip(payload(rec("emb", "BF16", (2**20, 2**20), pos)))
+
+
+def test_index_space_near_2_63():
+    pos = [0, 2**32, 2**62, 2**63 - 3, 2**63 - 2, 2**63 - 1]
+    out = roundtrip(payload(rec("huge", "I64", (2**31, 2**32), pos)))
+    assert int(out.records[0].positions[-1]) == 2**63 - 1
+
+
+def test_records_share_a_name_without_overlap():
+    roundtrip(payload(rec("w", "BF16", (100,), [1, 5, 9]),
+                      rec("w", "BF16", (100,), [2, 6], op=Op.OVERWRITE)))
+
+
+def test_accepts_memoryview_and_bytearray():
+    data = sample()
+    decode(memoryview(data))
+    decode(bytearray(data))
+    assert peek_header(memoryview(data)).payload_id == "rank3-0"
+
+
+# -------------------------------------------------------------- HMAC
+
+
+def test_hmac_roundtrip_and_rejections():
+    p = payload(rec("w", "BF16", (64,), [3, 4, 5]))
+    signed = encode(p, key=KEY)
+    assert struct.unpack_from("<H", signed, 6)[0] & FLAG_HMAC
+    roundtrip(p, key=KEY)
+    reject(signed, "HMAC mismatch", key=b"other key")
+    reject(signed, "no key is configured")
+    reject(encode(p), "HMAC missing", key=KEY)
+    forged = bytearray(signed)
+    forged[-1] ^= 1
+    reject(bytes(forged), "HMAC mismatch", key=KEY)
+    # Downgrade: strip the MAC, clear the flag, recompute the (unkeyed) checksum.
+    _, header, secs = split(signed[:-HMAC_BYTES])
+    reject(rejoin(header, secs), "HMAC missing", key=KEY)
+    # Edit the header and re-sign with a different key: still rejected.
+    _, header, secs = split(signed[:-HMAC_BYTES])
+    header["target_version"] = 99
+    reject(rejoin(header, secs, key=b"attacker"), "HMAC mismatch", key=KEY)
+    with pytest.raises(ValueError, match="empty HMAC key"):
+        encode(p, key=b"")
+
+
+# -------------------------------------------------------------- framing
+
+
+def test_bad_magic_version_flags():
+    data = sample()
+    e = reject(b"XDCR" + data[4:], "bad magic")
+    assert e.payload_id is None
+    _, header, secs = split(data)
+    reject(rejoin(header, secs, version=2), "unsupported format version 2")
+    _, header, secs = split(data)
+    reject(rejoin(header, secs, flags=0x0004), "unknown flag bits")
+
+
+@pytest.mark.parametrize("cut", [0, 3, 4, 11, 12, 40, -200, -17, -16, -1])
+def test_truncated(cut):
+    data = sample()
+    reject(data[:cut] if cut else b"", "truncated")
+
+
+def test_truncated_body_names_the_payload():
+    e = reject(sample()[:-30], "truncated")
+    assert e.payload_id == "rank3-0" and "rank3-0" in str(e)
+    reject(sample() + b"\0" * 5, "trailing bytes")
+
+
+def test_checksum_mismatch():
+    data = bytearray(sample())
+    data[-CHECKSUM_BYTES - 3] ^= 0x40  # inside the body
+    reject(bytes(data), "checksum mismatch")
+    data = bytearray(sample())
+    data[PREFIX_BYTES + 5] ^= 0x01  # inside the header
+    reject(bytes(data), "checksum mismatch")
+
+
+def test_not_bytes():
+    reject(12345, "bytes")
+
+
+# -------------------------------------------------------------- header schema
+
+
+def test_malformed_header_json():
+    _, _, secs = split(sample())
+    body = b"".join(s[p] for s in secs for p in ("positions", "values") if s[p] is not None)
+    reject(assemble(b"{not json", body), "malformed header JSON")
+    reject(assemble(b"\xff\xfe", body), "not UTF-8")
+    reject(assemble(b"[1, 2]", body), "expected a JSON object")
+    reject(assemble(b'{"a": 1, "a": 2}', body), "duplicate key")
+    reject(assemble(b'{"a": NaN}', body), "non-standard constant")
+    reject(assemble(b"[" * 100000 + b"]" * 100000, body), "malformed header")
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda h: h.pop("producer_id"), "missing field(s) ['producer_id']"),
+    (lambda h: h.update(compression="lz4"), "unknown field(s) ['compression']"),
+    (lambda h: h.update(base_version="6"), "expected an integer"),
+    (lambda h: h.update(base_version=6.0), "expected an integer"),
+    (lambda h: h.update(base_version=True), "expected an integer"),
+    (lambda h: h.update(base_version=-1), "negative"),
+    (lambda h: h.update(payload_id=7), "expected a non-empty string"),
+    (lambda h: h.update(transfer_id=""), "expected a non-empty string"),
+    (lambda h: h.update(target_version=6), "must be > base_version"),
+    (lambda h: h.update(records={}), "records: expected a list"),
+    (lambda h: h["records"][0].pop("op"), "missing field(s) ['op']"),
+    (lambda h: h["records"][0].update(crc=1), "unknown field(s) ['crc']"),
+    (lambda h: h["records"][0].update(dtype="F4"), "unknown dtype 'F4'"),
+    (lambda h: h["records"][0].update(dtype=2), "unknown dtype"),
+    (lambda h: h["records"][0].update(op="mul"), "unknown op 'mul'"),
+    (lambda h: h["records"][0].update(name=""), "name: expected a non-empty string"),
+    (lambda h: h["records"][0].update(shape=[8, "16"]), "expected an integer"),
+    (lambda h: h["records"][0].update(shape=8), "shape must be a list"),
+    (lambda h: h["records"][0].update(shape=[2**32, 2**32]), "more than 2**63"),
+    (lambda h: h["records"][0].update(shape=[0, 2**64]), "more than 2**63"),
+    (lambda h: h["records"][0].update(count=True), "expected an integer"),
+    (lambda h: h["records"][0]["positions"].update(encoding="bitmap"), "unknown position encoding"),
+    (lambda h: h["records"][0]["positions"].update(extra=0), "unknown field(s) ['extra']"),
+    (lambda h: h["records"][0]["positions"].pop("raw_length"), "missing field(s) ['raw_length']"),
+    (lambda h: h["records"][0]["values"].update(encoding="raw"), "unknown value encoding"),
+    (lambda h: h["records"][0]["values"].pop("width"), "missing field(s) ['width']"),
+    (lambda h: h["records"][0]["values"].update(width=4), "value width 4 != BF16 itemsize 2"),
+    (lambda h: h["records"][1]["positions"].update(encoding="runs"), "missing field(s)"),
+])
+def test_header_schema(edit, reason):
+    reject(edited(lambda h, s: edit(h)), reason)
+
+
+def test_all_encoding_needs_full_count():
+    def edit(h, s):
+        h["records"][1]["shape"] = [17]  # 16 changes of 17 elements, still "all"
+    reject(edited(edit), "needs count == numel")
+
+
+# -------------------------------------------------------------- declared sizes
+
+
+def test_declared_sizes_inconsistent():
+    _, h, s = split(sample())
+    rejoin(h, s)
+    h["raw_bytes"] += 1
+    reject(rejoin(h, s, fix=False), "declared raw_bytes")
+
+    _, h, s = split(sample())
+    rejoin(h, s)
+    h["records"][0]["values"]["offset"] += 1
+    reject(rejoin(h, s, fix=False), "sections must be contiguous")
+
+    _, h, s = split(sample())
+    rejoin(h, s)
+    h["records"][2]["values"]["length"] -= 1
+    reject(rejoin(h, s, fix=False), "sections cover")
+
+    _, h, s = split(sample())
+    rejoin(h, s)
+    h["body_bytes"] += 3
+    reject(rejoin(h, s, fix=False), "truncated")
+
+
+def test_values_count_and_record_count():
+    def fewer_values(h, s):
+        set_section(h, s, 0, "values", b"\1" * 10)  # 5 values, count 6
+    reject(edited(fewer_values), "values count != positions count")
+
+    def count_too_big(h, s):
+        h["records"][2]["count"] = 17
+    reject(edited(count_too_big), "count 17 > numel 16")
+
+    def count_mismatch(h, s):  # header says 3, runs hold 2
+        h["records"][2]["count"] = 3
+        set_section(h, s, 2, "values", b"\1\2\3")
+    reject(edited(count_mismatch), "header declares count 3")
+
+    def impossible_raw(h, s):
+        set_section(h, s, 2, "positions", b"\1" * 41)  # > 20 bytes per position
+    reject(edited(impossible_raw), "impossible for count")
+
+    def empty_frame(h, s):  # a record with no changes carries no frames at all
+        h["records"][2]["count"] = 0
+        set_section(h, s, 2, "values", b"")
+        set_section(h, s, 2, "positions", b"", frame=zstandard.ZstdCompressor().compress(b""))
+    reject(edited(empty_frame), "empty section has no frame")
+
+
+# -------------------------------------------------------------- positions
+
+
+def varints(*xs) -> bytes:
+    return leb128_encode(np.array(xs, dtype=np.uint64)).tobytes()
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (varints(3, 1, 0, 1), "gap 0"),                       # runs not merged
+    (varints(3, 1, 1, 0), "length 0"),
+    (varints(3, 1, 13, 1), ">= numel 16"),                # position 17
+    (varints(15, 2), ">= numel 16"),
+    (varints(3, 1, 1), "odd number of varints"),
+    (varints(2**63 + 1, 1), "beyond 2**63"),
+    (varints(3, 1) + b"\x85", "ends inside a varint"),
+    (b"\x80" * 10 + b"\x01" + varints(1), "longer than 10 bytes"),
+    (b"\xff" * 9 + b"\x02" + varints(1), "overflows 64 bits"),
+    (b"\x83\x00" + varints(1), "non-minimal varint"),
+    (varints(3, 1, 1, 1, 1, 1), "3 runs for only 2 positions"),
+])
+def test_bad_positions(raw, reason):
+    def edit(h, s):  # record 2: U8 (4, 4), count 2
+        set_section(h, s, 2, "positions", raw)
+    reject(edited(edit), reason)
+
+
+def test_run_ends_wrapping_64_bits_rejected():
+    # Each gap/len <= 2**63 passes, but the running end would wrap past 2**64.
+    raw = varints(2**63 - 1, 1, 2**63 - 1, 1, 2**63, 1)
+    with pytest.raises(PositionsError, match="overflow"):
+        decode_runs(raw, 3, 2**63)
+
+
+def test_positions_never_allocate_the_tensor():
+    # 2**40 declared elements, one run of 2**40 positions from a 12-byte section:
+    # rejected from the header alone (decoded positions over the limit).
+    def edit(h, s):
+        r = h["records"][0]
+        r["shape"], r["count"] = [2**20, 2**20], 2**40
+        set_section(h, s, 0, "positions", varints(0, 2**40))
+        h["records"][0]["values"]["raw_length"] = 2 * 2**40
+    reject(edited(edit), "max_raw_bytes")
+
+
+# -------------------------------------------------------------- limits and bombs
+
+
+def test_limits():
+    data = sample()
+    reject(data, "max_payload_bytes", limits=DecodeLimits(max_payload_bytes=len(data) - 1))
+    reject(data, "max_raw_bytes", limits=DecodeLimits(max_raw_bytes=60))
+    reject(data, "max_records", limits=DecodeLimits(max_records=2))
+    reject(data, "max_header_bytes", limits=DecodeLimits(max_header_bytes=100))
+    reject(data, "max_total_raw_bytes", limits=DecodeLimits(max_total_raw_bytes=100))
+    decode(data, limits=DecodeLimits(max_payload_bytes=len(data), max_records=3))
+
+
+def test_decompression_bomb_frame_larger_than_declared():
+    bomb = zc(b"\0" * (1 << 24))  # 16 MiB of zeros in a few hundred bytes
+    def edit(h, s):  # header claims 12 raw bytes (6 BF16 values)
+        s[0]["values"] = bomb
+    reject(edited(edit), "decompression bomb")
+
+
+def test_frame_without_content_size_is_refused():
+    def edit(h, s):
+        s[0]["values"] = zc(b"\0" * (1 << 20), write_content_size=False)
+    reject(edited(edit), "zstd frame declares")
+
+
+def test_frame_smaller_or_garbled():
+    def lie(h, s):  # frame content size 12, but the frame holds 10 bytes
+        frame = bytearray(zc(b"\1" * 12))
+        s[0]["values"] = bytes(frame[:-3])
+    reject(edited(lie), "zstd decompression failed")
+
+    def not_zstd(h, s):
+        s[0]["values"] = b"\x50\x2a\x4d\x18" + struct.pack("<I", 4) + b"abcd"  # skippable
+    reject(edited(not_zstd), "not a zstd frame")
+
+    def two_frames(h, s):
+        s[0]["values"] = zc(b"\1" * 12) + zc(b"\2" * 12)
+    reject(edited(two_frames), "unused data")
+
+
+# -------------------------------------------------------------- catalog, versions, duplicates
+
+
+def test_catalog_checks():
+    data = sample()
+    cat = {"a.weight": ("BF16", (8, 16)), "b.bias": ("F32", (16,)), "c.scale": ("U8", (4, 4))}
+    decode(data, catalog=cat)
+    reject(data, "unknown tensor name 'c.scale'", catalog={k: cat[k] for k in ("a.weight", "b.bias")})
+    reject(data, "dtype mismatch", catalog={**cat, "b.bias": ("BF16", (16,))})
+    reject(data, "shape mismatch", catalog={**cat, "a.weight": ("BF16", (16, 8))})
+
+
+def test_expected_versions():
+    data = sample()
+    decode(data, expected=Expected("xfer-7", 6, 7))
+    decode(data, expected=Expected(base_version=6))
+    e = reject(data, "transfer id mismatch", expected=Expected(transfer_id="xfer-8"))
+    assert e.payload_id == "rank3-0"
+    reject(data, "stale version: base_version 6, expected 7", expected=Expected(base_version=7))
+    reject(data, "stale version: target_version", expected=Expected(target_version=8))
+
+
+def test_duplicate_names():
+    def overlap(h, s):
+        h["records"][2]["name"] = "a.weight"
+        h["records"][2]["shape"] = [8, 16]
+        h["records"][2]["dtype"] = "BF16"
+        h["records"][2]["values"]["width"] = 2
+        set_section(h, s, 2, "values", b"\1\2\3\4")  # positions 3, 4; a.weight has neither
+    decode(edited(overlap))
+    def overlap2(h, s):
+        overlap(h, s)
+        set_section(h, s, 2, "positions", varints(1, 2))  # positions 1, 2: overlap
+    reject(edited(overlap2), "overlapping positions")
+    def different_shape(h, s):
+        h["records"][2]["name"] = "a.weight"
+    reject(edited(different_shape), "different dtype/shape")
+
+
+# -------------------------------------------------------------- encode validation
+
+
+@pytest.mark.parametrize("make, msg", [
+    (lambda: rec("w", "F32", (10,), [3, 2]), "strictly increasing"),
+    (lambda: rec("w", "F32", (10,), [2, 2]), "strictly increasing"),
+    (lambda: rec("w", "F32", (10,), [10]), ">= numel"),
+    (lambda: Record("w", "F32", (10,), Op.XOR, np.array([-1]), np.zeros(1, "<u4")), "negative"),
+    (lambda: Record("w", "F32", (10,), Op.XOR, np.array([1.0]), np.zeros(1, "<u4")), "integers"),
+    (lambda: Record("w", "F32", (10,), Op.XOR, np.array([1, 2], np.uint64),
+                    np.zeros(1, "<u4")), "1 values for 2"),
+    (lambda: Record("w", "F32", (10,), Op.XOR, np.array([1], np.uint64),
+                    np.zeros(1, "<u2")), "value width"),
+    (lambda: Record("w", "F9", (10,), Op.XOR, np.array([1], np.uint64),
+                    np.zeros(1, "<u2")), "unknown dtype"),
+    (lambda: Record("w", "F32", (10,), "mul", np.array([1], np.uint64),
+                    np.zeros(1, "<u4")), "mul"),
+    (lambda: rec("w", "F32", (2**32, 2**32), [1]), "2**63"),
+])
+def test_encode_rejects_invalid_records(make, msg):
+    with pytest.raises(ValueError, match=msg.replace("*", r"\*")):
+        encode(payload(make()))
+
+
+def test_encode_rejects_bad_header_and_overlap():
+    with pytest.raises(ValueError, match="target_version"):
+        encode(payload(header=PayloadHeader("t", 3, 3, "p", "p-0")))
+    with pytest.raises(ValueError, match="overlapping"):
+        encode(payload(rec("w", "F32", (10,), [1, 2]), rec("w", "F32", (10,), [2, 3])))
+
+
+def test_peek_header_checks_framing():
+    assert peek_header(sample()) == HDR
+    with pytest.raises(PayloadRejected, match="bad magic"):
+        peek_header(b"NOPE" + sample()[4:])
+    with pytest.raises(PayloadRejected, match="unsupported format version"):
+        peek_header(edited(lambda h, s: None, version=3))
+    with pytest.raises(PayloadRejected, match="truncated"):
+        peek_header(sample()[:20])
+
+
+# -------------------------------------------------------------- fuzz
+
+
+def test_fuzz_bit_flips_and_truncations_only_reject():
+    """Random damage must only ever raise PayloadRejected (or decode, once resealed)."""
+    rng = np.random.default_rng(1234)
+    data = encode(payload(
+        rec("a", "BF16", (4, 64), np.flatnonzero(np.random.default_rng(1).random(256) < 0.2)),
+        rec("b", "I64", (2**40,), [5, 6, 7, 2**39]),
+        rec("c", "BOOL", (9,), np.arange(9)),
+        rec("d", "F8_E4M3", (0,), []),
+    ))
+    hlen = struct.unpack_from("<I", data, 8)[0]
+    body_start, body_end = PREFIX_BYTES + hlen, len(data) - CHECKSUM_BYTES
+    accepted = 0
+    for i in range(3000):
+        buf = bytearray(data)
+        kind = i % 3
+        if kind == 0:  # raw damage: must be caught (checksum at the latest)
+            for _ in range(rng.integers(1, 4)):
+                j = int(rng.integers(0, len(buf)))
+                buf[j] ^= 1 << int(rng.integers(0, 8))
+            if rng.random() < 0.3:
+                buf = buf[: int(rng.integers(0, len(buf)))]
+            with pytest.raises(PayloadRejected) as ei:
+                decode(bytes(buf))
+            assert not ei.value.reason.startswith("malformed payload ("), ei.value.reason
+            continue
+        # Resealed damage (an attacker who recomputes the unkeyed checksum): every
+        # parser path below the checksum gets hit; anything but PayloadRejected fails.
+        lo, hi = (PREFIX_BYTES, body_start) if kind == 1 else (body_start, body_end)
+        for _ in range(rng.integers(1, 3)):
+            j = int(rng.integers(lo, hi))
+            buf[j] ^= 1 << int(rng.integers(0, 8))
+        core = bytes(buf[: len(data) - CHECKSUM_BYTES])
+        try:
+            decode(core + hashlib.blake2b(core, digest_size=CHECKSUM_BYTES).digest())
+            accepted += 1
+        except PayloadRejected as e:
+            # Every reason is a named check, never the catch-all for an internal error.
+            assert not e.reason.startswith("malformed payload ("), e.reason
+    assert accepted < 2000  # most resealed damage is still caught structurally
+
+
+# -------------------------------------------------------------- size report
+
+
+def test_report_compression_1pct_bf16_ulp(capsys):
+    """Not an assertion on speed: prints bytes per changed element for a realistic case."""
+    n = 10_000_000
+    rng = np.random.default_rng(0)
+    pos = np.sort(rng.choice(n, n // 100, replace=False)).astype(np.uint64)
+    # Old BF16 bits of weights ~N(0, 0.02); new = old +/- 1 ULP on the magnitude.
+    old = (rng.normal(0, 0.02, pos.size).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    step = np.where(rng.random(pos.size) < 0.5, 1, -1).astype(np.int32)
+    new = (old.astype(np.int32) + step).astype(np.uint16)
+    lines = []
+    for op, vals in [(Op.XOR, old ^ new), (Op.ADD, (new - old).astype(np.uint16))]:
+        p = payload(rec("model.embed_tokens.weight", "BF16", (n,), pos, vals, op=op))
+        data = encode(p)
+        assert_same(p, decode(data))
+        _, h, _ = split(data)
+        r = h["records"][0]
+        raw = pos.size * (8 + 2)
+        lines.append(
+            f"[codec report] 1% of {n:,} BF16, +/-1 ULP {op.value}: {len(data):,} B "
+            f"= {len(data) / pos.size:.3f} B/changed elt (positions "
+            f"{r['positions']['length'] / pos.size:.3f}, values {r['values']['length'] / pos.size:.3f}); "
+            f"raw u64+u16 {raw:,} B ({raw / len(data):.1f}x); dense {2 * n:,} B ({2 * n / len(data):.0f}x)")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
