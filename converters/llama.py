@@ -4,14 +4,14 @@ tied or untied embeddings) from Megatron-core's GPTModel (local layer spec)."""
 from __future__ import annotations
 
 from nemo_dcr.converter import (
-    Converter,
+    TableConverter,
     Dims,
     FusedQKV,
     GatedColumn,
     Replicated,
     RowParallel,
     Rule,
-    Skip,
+    Tied,
     VocabParallel,
 )
 
@@ -19,7 +19,7 @@ ATTN = "decoder.layers.{L}.self_attention"
 HF_ATTN = "model.layers.{L}.self_attn"
 
 
-class LlamaConverter(Converter):
+class LlamaConverter(TableConverter):
     family = "llama"
 
     def dims(self) -> Dims:
@@ -44,6 +44,6 @@ class LlamaConverter(Converter):
                  ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"), GatedColumn()),
             Rule("decoder.layers.{L}.mlp.linear_fc2.weight", ("model.layers.{L}.mlp.down_proj.weight",), RowParallel()),
             Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Replicated()),
-            Rule("output_layer.weight", (), Skip("tied to model.embed_tokens.weight (owned by the embedding)"))
+            Rule("output_layer.weight", ("model.embed_tokens.weight",), Tied(VocabParallel()))
             if tied else Rule("output_layer.weight", ("lm_head.weight",), VocabParallel()),
         ]

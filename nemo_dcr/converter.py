@@ -65,7 +65,11 @@ class Mapping(ABC):
 
     @abstractmethod
     def pieces(self, ctx: Context) -> list[Piece]:
-        """The affine pieces of this rank's shard."""
+        """The affine pieces this rank *owns* (each canonical element has one owner)."""
+
+    def load_pieces(self, ctx: Context) -> list[Piece]:
+        """Every piece this rank *holds*, owned or not: what loading a checkpoint fills."""
+        return self.pieces(ctx)
 
 
 class Replicated(Mapping):
@@ -77,8 +81,12 @@ class Replicated(Mapping):
         (t,) = ctx.targets
         if tuple(ctx.param.local_shape) != ctx.shape(t):
             raise ctx.fail(f"replicated shape differs from canonical {ctx.shape(t)}")
-        if ctx.layout.tp_rank != 0:
-            return []
+        return self.load_pieces(ctx) if ctx.layout.tp_rank == 0 else []
+
+    def load_pieces(self, ctx):
+        (t,) = ctx.targets
+        if tuple(ctx.param.local_shape) != ctx.shape(t):
+            raise ctx.fail(f"replicated shape differs from canonical {ctx.shape(t)}")
         return [Piece(t, 0, 1, ctx.param.numel, 0, 0)]
 
 
@@ -176,16 +184,20 @@ class GatedColumn(Mapping):
         return [Piece(gate, 0, 1, n, off, 0), Piece(up, n, 1, n, off, 0)]
 
 
-class Skip(Mapping):
-    """A parameter that is a copy of one owned elsewhere (e.g. tied output weights)."""
+class Tied(Mapping):
+    """A copy of a tensor owned by another parameter (e.g. the output layer of a model
+    with tied embeddings): owns nothing, but loads like `inner`."""
 
-    n_targets = 0
-
-    def __init__(self, reason: str):
-        self.dropped_reason = reason
+    def __init__(self, inner: Mapping):
+        self.inner, self.n_targets = inner, inner.n_targets
+        self.dropped_reason = "tied copy (owned by the parameter it is tied to)"
 
     def pieces(self, ctx):
+        self.inner.load_pieces(ctx)  # still validates shapes at start-up
         return []
+
+    def load_pieces(self, ctx):
+        return self.inner.load_pieces(ctx)
 
 
 @dataclass(frozen=True)
@@ -199,12 +211,29 @@ class Rule:
 
 
 class Converter(ABC):
-    """Base class for one model family. Subclasses define `rules()` and `dims()`."""
+    """Places one model family's local parameters in canonical coordinates."""
 
     family = "base"
 
     def __init__(self, hf_config):
         self.hf_config = hf_config
+
+    @abstractmethod
+    def plan(
+        self, params: list[LocalParam], layout: ParallelLayout, specs: dict[str, Spec], *, loading: bool = False
+    ) -> dict[str, AffineMap]:
+        """Affine maps for this rank's local parameters; raises ConverterError on any gap.
+
+        loading=False: the pieces this rank owns (what it sends). loading=True: every
+        piece it holds (what loading a canonical checkpoint into it must fill).
+        """
+
+
+class TableConverter(Converter):
+    """A converter given as a declarative table: subclasses define `rules()` and `dims()`."""
+
+    def __init__(self, hf_config):
+        super().__init__(hf_config)
         self._rules = [(r, r.compile()) for r in self.rules()]
         for r, _ in self._rules:
             if len(r.targets) != r.mapping.n_targets:
@@ -228,8 +257,7 @@ class Converter(ABC):
         layer = m.groupdict().get("L")
         return rule, tuple(t.replace("{L}", layer) if layer is not None else t for t in rule.targets)
 
-    def plan(self, params: list[LocalParam], layout: ParallelLayout, specs: dict[str, Spec]) -> dict[str, AffineMap]:
-        """Affine maps for this rank's local parameters; raises ConverterError on any gap."""
+    def plan(self, params, layout, specs, *, loading=False):
         dims, maps = self.dims(), {}
         for p in params:
             rule, targets = self.match(p.name)
@@ -239,7 +267,8 @@ class Converter(ABC):
                     raise ctx.fail(f"canonical tensor {t!r} is not in the checkpoint")
                 if dtypes.from_name(specs[t][0]).torch_dtype != p.dtype:
                     raise ctx.fail(f"local dtype {p.dtype} differs from canonical {specs[t][0]}: not a bit copy")
-            maps[p.name] = AffineMap(p.name, p.numel, tuple(rule.mapping.pieces(ctx)), rule.mapping.dropped_reason)
+            pieces = rule.mapping.load_pieces(ctx) if loading else rule.mapping.pieces(ctx)
+            maps[p.name] = AffineMap(p.name, p.numel, tuple(pieces), rule.mapping.dropped_reason)
         return maps
 
 
@@ -263,6 +292,6 @@ def merge_runs(per_rank: list[dict]) -> dict:
 
 
 __all__ = [
-    "Converter", "Rule", "Dims", "Mapping", "Replicated", "ColumnParallel", "RowParallel",
-    "VocabParallel", "FusedQKV", "GatedColumn", "Skip", "coverage_runs", "merge_runs", "check_exact_cover",
+    "Converter", "TableConverter", "Rule", "Dims", "Mapping", "Replicated", "ColumnParallel", "RowParallel",
+    "VocabParallel", "FusedQKV", "GatedColumn", "Tied", "coverage_runs", "merge_runs", "check_exact_cover",
 ]

@@ -1,0 +1,141 @@
+"""The transport contract: three ends (producer, receiver, coordinator) behind one
+interface, found by name through the `nemo_dcr.transports` entry-point group.
+
+Data plane: producers `send` encoded payloads (opaque bytes) to every receiver and
+`flush` a manifest; receivers see each payload at least once and answer `staged`.
+Control plane: the coordinator `broadcast`s begin / commit / abort / verify and
+`collect`s the receivers' replies. Control messages are small JSON objects.
+
+Every wait is bounded by a timeout and fails with a `TransportError` that names the
+peers that did not answer.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nemo_dcr.errors import TransportError
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    transfer_id: str
+    base_version: int
+    target_version: int
+    producers: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TransferInfo":
+        return cls(str(d["transfer_id"]), int(d["base_version"]), int(d["target_version"]),
+                   tuple(str(p) for p in d["producers"]))
+
+
+@dataclass
+class Event:
+    """What a receiver end delivers.
+
+    kind: "begin" | "payload" | "manifest" | "commit" | "abort" | "verify" | "shutdown".
+    For "payload", `data` holds the encoded bytes (a buffer valid until `release()`).
+    """
+
+    kind: str
+    meta: dict
+    data: Any = None
+    _release: Any = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class ProducerEnd(ABC):
+    @abstractmethod
+    def send(self, transfer: TransferInfo, payload_id: str, data: bytes) -> None:
+        """Deliver one payload to every receiver; blocks while in-flight bytes are at the bound."""
+
+    @abstractmethod
+    def flush(self, transfer: TransferInfo, payload_ids: list[str]) -> dict:
+        """Send this producer's manifest; wait until every receiver staged every payload.
+
+        Returns {receiver_id: {payload_id: reason}} for payloads a receiver rejected
+        (empty when all were staged); raises TransportError on timeout.
+        """
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class ReceiverEnd(ABC):
+    @abstractmethod
+    def poll(self, timeout_s: float) -> Event | None:
+        """Next event, or None after `timeout_s`."""
+
+    @abstractmethod
+    def staged(self, transfer_id: str, producer_id: str, payload_id: str, error: str | None) -> None:
+        """Tell the payload's producer it was staged (error=None) or rejected (why)."""
+
+    @abstractmethod
+    def reply(self, kind: str, meta: dict) -> None:
+        """Answer the coordinator (ready / applied / verified)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class CoordinatorEnd(ABC):
+    @abstractmethod
+    def broadcast(self, kind: str, meta: dict) -> None:
+        """Send a control message to every receiver."""
+
+    @abstractmethod
+    def collect(self, kind: str, transfer_id: str, timeout_s: float) -> dict[str, dict]:
+        """Replies of `kind` for `transfer_id` from every receiver.
+
+        Raises TransportError naming the receivers that did not answer in time.
+        """
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(ABC):
+    """A deployment's wiring, built from the same configuration in every process."""
+
+    name = "abstract"
+
+    def __init__(self, config: dict | None = None, *, receivers: list[str] | None = None):
+        self.config = dict(config or {})
+        self.receivers = list(receivers or [])
+
+    @abstractmethod
+    def producer(self, producer_id: str) -> ProducerEnd: ...
+
+    @abstractmethod
+    def receiver(self, receiver_id: str) -> ReceiverEnd: ...
+
+    @abstractmethod
+    def coordinator(self) -> CoordinatorEnd: ...
+
+    def cleanup(self) -> None:
+        """Remove whatever the transport left behind (segments, sockets, objects)."""
+
+
+def dumps(msg: dict) -> bytes:
+    return json.dumps(msg, separators=(",", ":"), sort_keys=True).encode()
+
+
+def loads(raw: bytes) -> dict:
+    try:
+        msg = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TransportError(f"malformed control message: {e}") from None
+    if not isinstance(msg, dict) or "kind" not in msg:
+        raise TransportError("malformed control message: not an object with a 'kind'")
+    return msg
