@@ -1,0 +1,114 @@
+"""The coordinator and the joint commit.
+
+A transfer v -> v+1 commits only when every producer has flushed with no payload
+rejected and every receiver has applied the whole transfer. The commit point is a
+record `commits/v<target>.json` created with O_EXCL in the coordinator's state
+directory: a compare-and-set, so two coordinators can never both commit the same
+version. After it exists, receivers serve v+1 and producers take v+1 as their
+baseline; before it, both stay at v.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from nemo_dcr.errors import TransportError
+from nemo_dcr.transport import CoordinatorEnd, TransferInfo
+
+
+@dataclass
+class Decision:
+    transfer_id: str
+    committed: bool
+    version: int  # the version receivers serve and producers diff against from now on
+    reasons: list[str] = field(default_factory=list)
+    receivers: dict[str, dict] = field(default_factory=dict)  # receiver -> its 'applied' reply
+
+    def to_json(self) -> dict:
+        return self.__dict__.copy()
+
+
+class CommitLog:
+    """Commit records in a directory; the newest one is the committed version."""
+
+    _NAME = re.compile(r"^v(\d{8,})\.json$")
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = os.path.join(os.fspath(directory), "commits")
+        os.makedirs(self.dir, exist_ok=True)
+
+    def latest(self) -> int:
+        versions = [int(m.group(1)) for f in os.listdir(self.dir) if (m := self._NAME.match(f))]
+        return max(versions, default=0)
+
+    def write(self, info: TransferInfo, extra: dict) -> None:
+        """Create the record for info.target_version; fails if it already exists."""
+        path = os.path.join(self.dir, f"v{info.target_version:08d}.json")
+        body = json.dumps({**info.to_json(), **extra, "committed_at": time.time()}, sort_keys=True).encode()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class Coordinator:
+    def __init__(self, end: CoordinatorEnd, state_dir: str | os.PathLike, *, timeout_s: float = 300.0):
+        self.end, self.log, self.timeout_s = end, CommitLog(state_dir), timeout_s
+        self.version = self.log.latest()
+
+    def new_transfer(self, producers: list[str]) -> TransferInfo:
+        tid = f"v{self.version}-v{self.version + 1}-{uuid.uuid4().hex[:8]}"
+        return TransferInfo(tid, self.version, self.version + 1, tuple(producers))
+
+    def begin(self, info: TransferInfo) -> list[str]:
+        """Announce the transfer; returns problems (empty when every receiver is ready)."""
+        try:
+            self.end.broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
+            replies = self.end.collect("ready", info.transfer_id, self.timeout_s)
+        except TransportError as e:
+            return [str(e)]
+        return [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+
+    def finish(self, info: TransferInfo, producer_problems: list[str]) -> Decision:
+        """Wait for every receiver's apply, then commit jointly or abort everywhere."""
+        reasons = list(producer_problems)
+        replies: dict[str, dict] = {}
+        if not reasons:
+            try:
+                replies = self.end.collect("applied", info.transfer_id, self.timeout_s)
+                reasons += [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+            except TransportError as e:
+                reasons.append(str(e))
+        if not reasons:
+            try:
+                self.log.write(info, {"receivers": sorted(replies)})
+            except FileExistsError:
+                reasons.append(f"version {info.target_version} was already committed by another coordinator")
+        if reasons:
+            self.abort(info, "; ".join(reasons))
+            return Decision(info.transfer_id, False, self.version, reasons, replies)
+        self.version = info.target_version
+        self.end.broadcast("commit", {"transfer_id": info.transfer_id, "version": self.version})
+        return Decision(info.transfer_id, True, self.version, [], replies)
+
+    def abort(self, info: TransferInfo, reason: str) -> None:
+        try:
+            self.end.broadcast("abort", {"transfer_id": info.transfer_id, "reason": reason})
+        except TransportError:
+            pass  # an unreachable receiver reverts on its next begin (see Receiver._on_begin)
+
+    def verify(self) -> dict[str, dict]:
+        """Every receiver's serving version and per-tensor digests."""
+        tag = f"verify-{uuid.uuid4().hex[:8]}"
+        self.end.broadcast("verify", {"transfer_id": tag})
+        return self.end.collect("verified", tag, self.timeout_s)
+
+    def shutdown(self) -> None:
+        self.end.broadcast("shutdown", {})

@@ -1,0 +1,214 @@
+"""Receiver side: validate -> stage -> apply in place -> reply, and the joint commit.
+
+Every payload of a transfer is decoded and validated (checksum, HMAC, versions,
+names, shapes, positions) as it arrives and staged in memory; nothing is written
+until every producer's manifest is in and every listed payload is staged. Only
+then does the runtime adapter apply the records in place (the pause). The
+receiver keeps the undo log until the coordinator's commit, so an abort puts the
+bits back at the base version. Payloads are deduplicated by identity.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from nemo_dcr import codec
+from nemo_dcr.errors import DCRError, PayloadRejected
+from nemo_dcr.records import Payload
+from nemo_dcr.runtimes.base import RuntimeAdapter
+from nemo_dcr.transport import ReceiverEnd, TransferInfo
+from nemo_dcr.verify import state_digests
+
+
+@dataclass
+class _Transfer:
+    info: TransferInfo
+    staged: dict[str, Payload] = field(default_factory=dict)
+    staged_bytes: int = 0
+    manifests: dict[str, list[str]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    undo: object = None
+    applied: bool = False
+    replied: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    stage_s: float = 0.0
+    apply_s: float = 0.0
+
+
+class Receiver:
+    def __init__(
+        self,
+        receiver_id: str,
+        runtime: RuntimeAdapter,
+        end: ReceiverEnd,
+        *,
+        version: int = 0,
+        key: bytes | None = None,
+        limits: codec.DecodeLimits | None = None,
+        max_staged_bytes: int = 8 << 30,
+        log=None,
+    ):
+        self.id, self.runtime, self.end = receiver_id, runtime, end
+        self.serving_version = version
+        self.key, self.limits = key, limits or codec.DecodeLimits()
+        self.max_staged_bytes = max_staged_bytes
+        self.catalog = runtime.catalog()
+        self.current: _Transfer | None = None
+        self.log = log or (lambda msg: None)
+
+    # --- event loop -----------------------------------------------------------------
+
+    def serve_forever(self, poll_s: float = 0.5) -> None:
+        while True:
+            event = self.end.poll(poll_s)
+            if event is not None and not self.handle(event):
+                return
+
+    def handle(self, event) -> bool:
+        """Process one event; False once asked to shut down."""
+        kind, meta = event.kind, event.meta
+        try:
+            if kind == "payload":
+                self._on_payload(event)
+            elif kind == "begin":
+                self._on_begin(TransferInfo.from_json(meta["transfer"]))
+            elif kind == "manifest":
+                self._on_manifest(meta)
+            elif kind == "commit":
+                self._on_commit(meta)
+            elif kind == "abort":
+                self._on_abort(meta)
+            elif kind == "verify":
+                self._on_verify(meta)
+            elif kind == "shutdown":
+                return False
+        finally:
+            event.release()
+        return True
+
+    # --- handlers -------------------------------------------------------------------
+
+    def _on_begin(self, info: TransferInfo) -> None:
+        if self.current is not None and self.current.applied and self.current.undo is not None:
+            # A new transfer while one is applied but neither committed nor aborted:
+            # the coordinator gave up on it, so put the bits back first.
+            self.runtime.revert(self.current.undo)
+        self.current = None
+        if info.base_version != self.serving_version:
+            self.end.reply("ready", {"transfer_id": info.transfer_id,
+                                     "error": f"receiver {self.id} serves version {self.serving_version}, "
+                                              f"transfer starts from {info.base_version}"})
+            return
+        self.current = _Transfer(info)
+        self.end.reply("ready", {"transfer_id": info.transfer_id, "error": None})
+
+    def _on_payload(self, event) -> None:
+        meta = event.meta
+        tid, pid, producer = meta.get("transfer_id"), meta.get("payload_id"), meta.get("producer_id")
+        cur = self.current
+        if cur is None or cur.info.transfer_id != tid:
+            self.end.staged(tid, producer, pid, f"receiver {self.id} has no open transfer {tid}")
+            return
+        if pid in cur.staged:
+            self.end.staged(tid, producer, pid, None)  # duplicate delivery: already staged
+            return
+        t = time.perf_counter()
+        error = meta.get("error")
+        if error is None and event.data is None:
+            error = "payload bytes missing"
+        if error is None:
+            try:
+                if len(event.data) + cur.staged_bytes > self.max_staged_bytes:
+                    raise PayloadRejected(pid, f"staging it would exceed max_staged_bytes={self.max_staged_bytes}")
+                info = cur.info
+                payload = codec.decode(
+                    event.data, key=self.key, catalog=self.catalog, limits=self.limits,
+                    expected=codec.Expected(info.transfer_id, info.base_version, info.target_version),
+                )
+                if payload.header.payload_id != pid or payload.header.producer_id != producer:
+                    raise PayloadRejected(pid, f"header names payload {payload.header.payload_id} "
+                                               f"of producer {payload.header.producer_id}")
+                if producer not in info.producers:
+                    raise PayloadRejected(pid, f"producer {producer} is not part of transfer {tid}")
+                cur.staged[pid] = payload
+                cur.staged_bytes += len(event.data)
+            except PayloadRejected as e:
+                error = str(e)
+        cur.stage_s += time.perf_counter() - t
+        if error is not None:
+            cur.errors.append(error)
+            self.log(f"[{self.id}] {error}")
+        self.end.staged(tid, producer, pid, error)
+        self._maybe_apply()
+
+    def _on_manifest(self, meta: dict) -> None:
+        cur = self.current
+        if cur is None or cur.info.transfer_id != meta.get("transfer_id"):
+            return
+        cur.manifests[meta["producer_id"]] = list(meta["payload_ids"])
+        self._maybe_apply()
+
+    def _maybe_apply(self) -> None:
+        cur = self.current
+        if cur is None or cur.replied or set(cur.manifests) != set(cur.info.producers):
+            return
+        listed = {pid for ids in cur.manifests.values() for pid in ids}
+        if cur.errors:
+            return self._reply_applied(cur, "; ".join(cur.errors[:3]))
+        if not listed <= set(cur.staged):
+            return  # some listed payloads have not arrived yet
+        unlisted = set(cur.staged) - listed
+        if unlisted:
+            return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
+        records = [rec for pid in sorted(cur.staged) for rec in cur.staged[pid].records]
+        t = time.perf_counter()
+        try:
+            cur.undo = self.runtime.apply(records)
+            cur.applied = True
+        except DCRError as e:
+            return self._reply_applied(cur, f"apply failed: {e}")
+        finally:
+            cur.apply_s = time.perf_counter() - t
+        cur.staged.clear()  # staged records are no longer needed; undo keeps what revert needs
+        self._reply_applied(cur, None)
+
+    def _reply_applied(self, cur: _Transfer, error: str | None) -> None:
+        cur.replied = True
+        self.end.reply("applied", {
+            "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
+            "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started,
+        })
+
+    def _on_commit(self, meta: dict) -> None:
+        cur = self.current
+        if cur is None or cur.info.transfer_id != meta.get("transfer_id") or not cur.applied:
+            self.log(f"[{self.id}] ignoring commit of {meta.get('transfer_id')}: not applied here")
+            return
+        self.serving_version = cur.info.target_version
+        self.current = None
+
+    def _on_abort(self, meta: dict) -> None:
+        cur = self.current
+        if cur is None or cur.info.transfer_id != meta.get("transfer_id"):
+            return
+        if cur.applied:
+            self.runtime.revert(cur.undo)
+        self.log(f"[{self.id}] transfer {cur.info.transfer_id} aborted: {meta.get('reason')}")
+        self.current = None
+
+    def _on_verify(self, meta: dict) -> None:
+        reply = {"transfer_id": meta.get("transfer_id", ""), "version": self.serving_version,
+                 "digests": self.digests()}
+        if meta.get("dump_dir"):  # full bits for offline comparison (tests, debugging)
+            from safetensors.torch import save_file
+
+            path = os.path.join(meta["dump_dir"], f"{self.id}.safetensors")
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.runtime.canonical_state().items()}, path)
+            reply["dump"] = path
+        self.end.reply("verified", reply)
+
+    def digests(self) -> dict[str, str]:
+        """BLAKE2b-128 of every canonical tensor's stored bits (for end-state checks)."""
+        return state_digests(self.runtime.canonical_state())

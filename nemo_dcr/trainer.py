@@ -1,0 +1,229 @@
+"""Trainer-side orchestration of refits across the ranks of one training job.
+
+Every rank is a producer for the ranges it owns; global rank 0 also runs the
+coordinator. Ranks agree on the transfer and the commit decision through small
+JSON messages over torch.distributed (uint8 tensors, never pickle). No rank ever
+gathers parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_dcr.baseline import Baseline
+from nemo_dcr.commit import Coordinator, Decision
+from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
+from nemo_dcr.errors import ConverterError, TransferFailed
+from nemo_dcr.layout import OwnedRange, ParallelLayout
+from nemo_dcr.records import Op
+from nemo_dcr.sender import Producer, ProducerReport
+from nemo_dcr.transport import TransferInfo, Transport
+
+
+@dataclass
+class RefitResult:
+    decision: Decision
+    transfer: TransferInfo
+    producers: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    dense_bytes: int = 0
+
+    @property
+    def scanned_elements(self) -> int:
+        return sum(p["scanned_elements"] for p in self.producers)
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(p["changed_elements"] for p in self.producers)
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(p["wire_bytes"] for p in self.producers)
+
+    @property
+    def change_rate(self) -> float:
+        return self.changed_elements / max(self.scanned_elements, 1)
+
+    def metrics(self) -> dict:
+        """Flat numbers for a logger."""
+        stage = lambda k: max((p["times"][k] for p in self.producers), default=0.0)  # noqa: E731
+        applied = self.decision.receivers.values()
+        return {
+            "version": self.decision.version,
+            "committed": self.decision.committed,
+            "change_rate": self.change_rate,
+            "changed_elements": self.changed_elements,
+            "dense_bytes": self.dense_bytes,
+            "wire_bytes": self.wire_bytes,
+            "compression": self.dense_bytes / max(self.wire_bytes, 1),
+            "refit_s": self.seconds,
+            "payloads": sum(p["payloads"] for p in self.producers),
+            **{f"producer_{k}_s": stage(k) for k in ("diff", "place", "encode", "send", "flush")},
+            "receiver_stage_s": max((r.get("stage_s", 0.0) for r in applied), default=0.0),
+            "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
+        }
+
+
+class TrainerRefit:
+    """Set up once per training job (after the model holds the committed version)."""
+
+    def __init__(
+        self,
+        converter: Converter,
+        specs: dict,
+        owned: list[OwnedRange],
+        layout: ParallelLayout,
+        transport: Transport,
+        *,
+        state_dir: str,
+        op: Op = Op.XOR,
+        key: bytes | None = None,
+        max_payload_elements: int = 1 << 20,
+        baseline_dir: str | None = None,
+        timeout_s: float = 300.0,
+    ):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.specs = specs
+        self.dense_bytes = sum(_nbytes(dt, shape) for dt, shape in specs.values())
+        params = list({r.param.name: r.param for r in owned}.values())
+        problem = None
+        try:
+            maps = converter.plan(params, layout, specs)
+        except ConverterError as e:
+            problem, maps = str(e), {}
+        problems = gather_json(problem)
+        if self.rank == 0:
+            problem = next((p for p in problems if p), None)
+        problem = bcast_json(problem)
+        if problem:
+            raise ConverterError(problem)
+        self._check_cover(maps, owned)
+        self.coordinator = None
+        if self.rank == 0:
+            self.coordinator = Coordinator(transport.coordinator(), state_dir, timeout_s=timeout_s)
+        version = bcast_json(self.coordinator.version if self.coordinator else None)
+        self.baseline = Baseline(version=version, directory=baseline_dir)
+        self.producer_ids = [f"p{r}" for r in range(self.world)]
+        self.end = transport.producer(self.producer_ids[self.rank])
+        self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
+                                 op=op, key=key, max_payload_elements=max_payload_elements)
+        dist.barrier()
+
+    def _check_cover(self, maps, owned) -> None:
+        runs = coverage_runs(maps, owned, f"rank {self.rank}")
+        compact = {n: [[s.tolist(), l.tolist(), who] for s, l, who in parts] for n, parts in runs.items()}
+        gathered = gather_json(compact)
+        problem = None
+        if self.rank == 0:
+            merged: dict[str, list] = {}
+            for rank_runs in gathered:
+                for name, parts in rank_runs.items():
+                    merged.setdefault(name, []).extend(
+                        (np.asarray(s, np.int64), np.asarray(n, np.int64), who) for s, n, who in parts)
+            try:
+                check_exact_cover(merged, {k: _numel(shape) for k, (_, shape) in self.specs.items()})
+            except ConverterError as e:
+                problem = str(e)
+        problem = bcast_json(problem)
+        if problem:
+            raise ConverterError(problem)
+
+    def refit(self) -> RefitResult:
+        """Send the changes since the committed version; commit jointly or abort.
+
+        Returns the result on every rank (producer reports are filled on rank 0).
+        Raises TransferFailed (on every rank) when the transfer did not commit.
+        """
+        t0 = time.perf_counter()
+        info, problems = None, []
+        if self.rank == 0:
+            info = self.coordinator.new_transfer(self.producer_ids)
+            problems = self.coordinator.begin(info)
+        go = bcast_json({"transfer": info.to_json() if info else None, "problems": problems})
+        info = TransferInfo.from_json(go["transfer"])
+        if go["problems"]:
+            self._decide(info, Decision(info.transfer_id, False, self.baseline.version, go["problems"]))
+        try:
+            report = self.producer.refit(info)
+        except Exception as e:  # noqa: BLE001 - any producer failure aborts the whole transfer
+            report = ProducerReport(self.producer.id, error=f"{type(e).__name__}: {e}")
+        reports = gather_json(report.to_json())
+        decision = None
+        if self.rank == 0:
+            bad = [f"producer {r['producer_id']}: {r['error']}" for r in reports if r["error"]]
+            bad += [f"{rx} rejected {pid}: {why}" for r in reports for rx, d in r["rejected"].items()
+                    for pid, why in d.items()]
+            decision = self.coordinator.finish(info, bad)
+        decision = self._decide(info, decision)
+        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes)
+
+    def _decide(self, info: TransferInfo, decision: Decision | None) -> Decision:
+        d = bcast_json(decision.to_json() if decision else None)
+        decision = Decision(**d)
+        if decision.committed:
+            self.baseline.commit()
+        else:
+            self.baseline.abort()
+            raise TransferFailed(f"transfer {info.transfer_id} did not commit: " + "; ".join(decision.reasons))
+        return decision
+
+    def verify(self, expected_digests: dict[str, str] | None) -> dict[str, list[str]]:
+        """Rank 0: compare each receiver's digests with `expected_digests`."""
+        from nemo_dcr.verify import compare_digests
+
+        if self.rank != 0:
+            return {}
+        replies = self.coordinator.verify()
+        return {rx: compare_digests(expected_digests, r["digests"]) for rx, r in sorted(replies.items())}
+
+    def close(self, shutdown_receivers: bool = False) -> None:
+        self.end.close()
+        if self.coordinator is not None:
+            if shutdown_receivers:
+                self.coordinator.shutdown()
+            self.coordinator.end.close()
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+
+
+def _nbytes(dtype_name: str, shape) -> int:
+    from nemo_dcr.dtypes import from_name
+
+    return _numel(shape) * from_name(dtype_name).itemsize
+
+
+# --- small JSON collectives (metadata only; parameters never travel this way) ----------
+
+def _to_tensor(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def bcast_json(obj, src: int = 0):
+    size = torch.tensor([len(json.dumps(obj).encode()) if dist.get_rank() == src else 0], dtype=torch.int64)
+    dist.broadcast(size, src)
+    buf = _to_tensor(obj) if dist.get_rank() == src else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src)
+    return json.loads(bytes(buf.numpy()))
+
+
+def gather_json(obj, dst: int = 0):
+    """List of every rank's object on `dst` (None elsewhere)."""
+    mine = _to_tensor(obj)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(out, padded)
+    if dist.get_rank() != dst:
+        return None
+    return [json.loads(bytes(o[: int(s.item())].numpy())) for o, s in zip(out, sizes)]

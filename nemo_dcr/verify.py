@@ -1,0 +1,41 @@
+"""End-state checks: compare receivers' stored bits with a dense canonical export."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """BLAKE2b-128 of a tensor's stored bits (dtype and shape are compared separately)."""
+    flat = t.detach().contiguous().cpu().reshape(-1)
+    return hashlib.blake2b(flat.view(torch.uint8).numpy(), digest_size=16).hexdigest()
+
+
+def state_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {name: tensor_digest(t) for name, t in state.items()}
+
+
+def compare_digests(expected: dict[str, str], got: dict[str, str]) -> list[str]:
+    """Names whose bits differ, or that only one side holds (empty list = bit-exact)."""
+    bad = [n for n in expected if got.get(n) != expected[n]]
+    bad += [f"{n} (unexpected)" for n in got if n not in expected]
+    return sorted(bad)
+
+
+def bit_mismatches(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """Element-level comparison for tests: names whose dtype, shape or bits differ."""
+    bad = []
+    for name, want in expected.items():
+        have = got.get(name)
+        if have is None or have.dtype != want.dtype or tuple(have.shape) != tuple(want.shape):
+            bad.append(name)
+        elif not torch.equal(tensor_bits(have), tensor_bits(want)):
+            bad.append(name)
+    bad += [f"{n} (unexpected)" for n in got if n not in expected]
+    return sorted(bad)
+
+
+def tensor_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)

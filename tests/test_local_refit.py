@@ -1,0 +1,149 @@
+"""One-process refits over the real local transport (shared memory + ZeroMQ) into a
+real Hugging Face receiver: the plain-PyTorch capture, identity placement, codec,
+receiver, joint commit and failure handling, without Megatron."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from nemo_dcr import registry
+from nemo_dcr.capture import torch_owned_ranges
+from nemo_dcr.checkpoint import read_specs
+from nemo_dcr.errors import TransferFailed
+from nemo_dcr.layout import ParallelLayout
+from nemo_dcr.receiver import Receiver
+from nemo_dcr.records import Op
+from nemo_dcr.runtimes.hf import HFRuntime
+from nemo_dcr.trainer import TrainerRefit
+from nemo_dcr.verify import bit_mismatches
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank_group(tmp_path_factory):
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Setup:
+    """A trainer (HF model + AdamW in BF16) and receivers on threads, over the local transport."""
+
+    def __init__(self, checkpoint, tmp_path, n_receivers=2, op=Op.XOR, key=None, receiver_key=None):
+        self.ids = [f"rx{i}" for i in range(n_receivers)]
+        self.transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 20},
+                                            receivers=self.ids)
+        self.receivers, self.threads = [], []
+        for rx in self.ids:
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+            r = Receiver(rx, HFRuntime(model, checkpoint_dir=checkpoint), self.transport.receiver(rx),
+                         key=receiver_key if receiver_key is not None else key)
+            self.receivers.append(r)
+            t = threading.Thread(target=r.serve_forever, args=(0.05,), daemon=True)
+            t.start()
+            self.threads.append(t)
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.refit = TrainerRefit(registry.converter("identity", self.model.config), read_specs(checkpoint),
+                                  torch_owned_ranges(self.model), ParallelLayout(), self.transport,
+                                  state_dir=str(tmp_path / "state"), op=op, key=key,
+                                  max_payload_elements=500, timeout_s=20)
+
+    def step(self):
+        ids = torch.randint(0, 300, (2, 16))
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def expected(self):
+        return {k: v for k, v in self.model.state_dict().items() if k != "lm_head.weight"}
+
+    def close(self):
+        self.refit.close(shutdown_receivers=True)
+        for t in self.threads:
+            t.join(timeout=10)
+        for r in self.receivers:
+            r.end.close()
+        self.transport.cleanup()
+
+
+@pytest.mark.parametrize("op", [Op.XOR, Op.ADD, Op.OVERWRITE])
+def test_refits_are_bit_exact_and_commit_jointly(checkpoint, tmp_path, op):
+    s = Setup(checkpoint, tmp_path, op=op)
+    try:
+        for version in (1, 2, 3):
+            s.step()
+            result = s.refit.refit()
+            assert result.decision.committed and result.decision.version == version
+            assert s.refit.baseline.version == version
+            assert 0 < result.changed_elements < result.scanned_elements
+            assert result.metrics()["payloads"] > 1  # streamed in several payloads
+            for r in s.receivers:
+                assert r.serving_version == version
+                assert bit_mismatches(s.expected(), r.runtime.canonical_state()) == []
+        assert (tmp_path / "state" / "commits" / "v00000003.json").exists()
+    finally:
+        s.close()
+
+
+def test_empty_transfer_commits(checkpoint, tmp_path):
+    s = Setup(checkpoint, tmp_path, n_receivers=1)
+    try:
+        result = s.refit.refit()  # no step: nothing changed
+        assert result.decision.committed and result.changed_elements == 0
+        assert bit_mismatches(s.expected(), s.receivers[0].runtime.canonical_state()) == []
+    finally:
+        s.close()
+
+
+def test_rejected_payload_aborts_and_leaves_everything_at_base(checkpoint, tmp_path):
+    """A receiver with the wrong HMAC key rejects every payload: the transfer fails,
+    no receiver bit changes, and the producers' baselines stay at version 0."""
+    s = Setup(checkpoint, tmp_path, key=b"trainer-key", receiver_key=b"other-key")
+    before = [{k: v.clone() for k, v in r.runtime.canonical_state().items()} for r in s.receivers]
+    baseline_before = {k: s.refit.baseline.committed(k).clone() for k in s.refit.baseline.keys()}
+    try:
+        s.step()
+        with pytest.raises(TransferFailed, match="HMAC"):
+            s.refit.refit()
+        assert s.refit.baseline.version == 0 and not s.refit.baseline.in_flight
+        for k, v in baseline_before.items():
+            assert torch.equal(s.refit.baseline.committed(k), v)
+        for r, old in zip(s.receivers, before):
+            assert r.serving_version == 0
+            assert bit_mismatches(old, r.runtime.canonical_state()) == []
+    finally:
+        s.close()
+
+
+def test_failed_transfer_is_resent_against_the_committed_baseline(checkpoint, tmp_path):
+    """After an aborted transfer the next delta is taken against version v (not the
+    pre-step bits), so receivers still end bit-exact."""
+    s = Setup(checkpoint, tmp_path, n_receivers=1)
+    try:
+        s.step()
+        s.receivers[0].serving_version = 7  # the receiver now refuses to begin from v0
+        with pytest.raises(TransferFailed, match="serves version 7"):
+            s.refit.refit()
+        s.receivers[0].serving_version = 0
+        s.step()
+        result = s.refit.refit()
+        assert result.decision.committed and result.decision.version == 1
+        assert bit_mismatches(s.expected(), s.receivers[0].runtime.canonical_state()) == []
+    finally:
+        s.close()
