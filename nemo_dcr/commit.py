@@ -104,10 +104,11 @@ class Coordinator:
         except TransportError:
             pass  # an unreachable receiver reverts on its next begin (see Receiver._on_begin)
 
-    def verify(self) -> dict[str, dict]:
-        """Every receiver's serving version and per-tensor digests."""
+    def verify(self, dump_dir: str | None = None) -> dict[str, dict]:
+        """Every receiver's serving version and per-tensor digests (and, with
+        `dump_dir`, its full state written there as <receiver>.safetensors)."""
         tag = f"verify-{uuid.uuid4().hex[:8]}"
-        self.end.broadcast("verify", {"transfer_id": tag})
+        self.end.broadcast("verify", {"transfer_id": tag, "dump_dir": dump_dir})
         return self.end.collect("verified", tag, self.timeout_s)
 
     def shutdown(self) -> None:
