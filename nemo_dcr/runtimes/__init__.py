@@ -1,0 +1,1 @@
+"""Runtime adapters: how each framework (HF, vLLM, Megatron) is built, read and written."""

@@ -1,0 +1,70 @@
+"""Launch worker scripts under torchrun from tests, with hard time limits."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # CPU path everywhere (a CUDA build then sees no GPU and the shim takes over).
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONWARNINGS="ignore",
+        HF_HUB_OFFLINE="1",
+    )
+    return env
+
+
+def run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """Run `cmd` in its own process group; kill the whole group on timeout."""
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -9, out + f"\n[test] killed after {timeout}s"
+    return proc.returncode, out
+
+
+def torchrun(nproc: int, worker: Path, *args: str, ok_marker: str, timeout: float = TORCHRUN_TIMEOUT_S) -> str:
+    """Run `worker` on `nproc` ranks; fail the test unless it exits 0 and prints `ok_marker`."""
+    for _attempt in range(2):  # a port picked free can be taken before torchrun binds it
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()),
+            str(worker), *args,
+        ]
+        rc, out = run(cmd, timeout)
+        if rc == 0 or "address already in use" not in out.lower():
+            break
+    if rc != 0 or ok_marker not in out:
+        tail = "\n".join(
+            line for line in out.splitlines() if "Warning" not in line and "warn" not in line
+        )[-6000:]
+        pytest.fail(f"torchrun exited {rc}:\n{tail}")
+    return out
