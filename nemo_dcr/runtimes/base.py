@@ -1,0 +1,84 @@
+"""The receiver-side contract: apply canonical records in place, and undo them.
+
+A runtime adapter sits between canonical records (tensor name, flat positions, bit
+values) and a serving runtime's own parameter storage. It never knows a model family:
+where a canonical element lands is decided by the runtime's native loader, which the
+adapter drives and intercepts (see `nemo_dcr.runtimes.hf`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_dcr.records import Op, Record
+
+Catalog = dict[str, tuple[str, tuple[int, ...]]]
+
+
+@dataclass
+class UndoLog:
+    """What one `apply` changed, oldest first; `revert` undoes it newest first.
+
+    Each step is either a `Record` that undoes one applied record when applied the
+    same way (xor is its own inverse, add carries the negated values, overwrite
+    carries the old bits of just the overwritten positions), or an adapter-specific
+    object for changes that cannot be expressed as a record. A log belongs to the
+    adapter that produced it and can be reverted once.
+    """
+
+    steps: list[Any] = field(default_factory=list)
+    reverted: bool = False
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+def inverse(record: Record) -> Record:
+    """The record that undoes `record` for xor/add (overwrite needs the old bits)."""
+    if record.op is Op.XOR:
+        return record
+    if record.op is Op.ADD:
+        values = np.asarray(record.values)
+        negated = (~values + values.dtype.type(1)).astype(values.dtype, copy=False)
+        return Record(record.name, record.dtype, record.shape, Op.ADD, record.positions, negated)
+    raise ValueError(f"{record.name}: an overwrite record is undone by the old bits, not inverted")
+
+
+class RuntimeAdapter(ABC):
+    """Applies canonical records in place into one serving runtime's storage."""
+
+    @abstractmethod
+    def catalog(self) -> Catalog:
+        """Canonical tensor name -> (dtype name as in `nemo_dcr.dtypes`, shape).
+
+        Every tensor a record may name, each storage once (tied aliases excluded).
+        """
+
+    @abstractmethod
+    def check(self, records: Sequence[Record]) -> None:
+        """Raise `ApplyError` naming the record and tensor if one cannot be applied.
+
+        Writes nothing.
+        """
+
+    @abstractmethod
+    def apply(self, records: Sequence[Record]) -> UndoLog:
+        """Check all records, then apply them in order, in place.
+
+        On any failure, what this call already applied is reverted before the error
+        propagates, so a failed apply leaves every bit unchanged.
+        """
+
+    @abstractmethod
+    def revert(self, log: UndoLog) -> None:
+        """Undo an `apply` (the latest one first when several are stacked)."""
+
+    @abstractmethod
+    def canonical_state(self) -> dict[str, torch.Tensor]:
+        """Current tensors by canonical name, for verification (views are fine)."""
