@@ -24,8 +24,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.support (CPU shim, harness, reference export)
 
+import warnings  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+# Keep the per-step report readable: megatron-core and torch.distributed warn about
+# optional CUDA libraries and renamed collectives on every rank and every step.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|CUDA_DEVICE_MAX_CONNECTIONS).*")
 
 
 def parse_args(argv=None):

@@ -105,6 +105,7 @@ def cmd_demo(args) -> int:
     print(f"[demo] work dir {work}")
     print(f"[demo] 1/3 creating a version-0 {args.family} checkpoint (BF16 safetensors)", flush=True)
     make_checkpoint(ckpt, family=args.family, layers=args.layers, hidden=args.hidden, tied=args.tied, seed=args.seed)
+    shutil.rmtree(work / "coordinator", ignore_errors=True)  # a new version 0: no earlier commits apply
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
