@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from transformers import AutoConfig
 
     from nemo_dcr import registry
-    from nemo_dcr.capture import megatron_owned_ranges
+    from nemo_dcr.capture import attach_post_step_hook, megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
     from nemo_dcr.errors import TransferFailed
     from nemo_dcr.layout import LocalParam, ParallelLayout
@@ -115,20 +115,31 @@ def main(argv=None) -> int:
 
     batches = H.make_batches(hf_config.vocab_size, args.seq_len, micro_batch=2,
                              num_micro=args.micro_batches, seed=1000 + H.dp_rank(), steps=args.steps)
+    # Refit from the optimizer's post-step hook: it fires after every successful step.
+    outcomes = []
+
+    def refit_after_step():
+        try:
+            outcomes.append(refit.refit())
+        except TransferFailed as e:
+            outcomes.append(e)
+
+    attach_post_step_hook(optimizer, refit_after_step)
+
     all_exact, results = True, []
     for step, batch in enumerate(batches, 1):
         t = time.perf_counter()
-        ok, loss = H.train_step(model, optimizer, batch)
+        ok, loss = H.train_step(model, optimizer, batch)  # the refit runs inside, after step()
         train_s = time.perf_counter() - t
-        if not ok:
-            log(f"step {step}: optimizer step skipped")
+        if not ok or not outcomes:
+            log(f"step {step}: optimizer step skipped, nothing to refit")
             continue
-        try:
-            res = refit.refit()
-        except TransferFailed as e:
-            log(f"step {step}: REFIT FAILED: {e}")
+        res = outcomes.pop()
+        if isinstance(res, TransferFailed):
+            log(f"step {step}: REFIT FAILED: {res}")
             all_exact = False
             break
+        train_s -= res.seconds
         t = time.perf_counter()
         dense = reference_export(model, hf_config)
         expected = state_digests(dense) if rank == 0 else None

@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from nemo_dcr.errors import Unsupported
 from nemo_dcr.layout import LocalParam, OwnedRange
 
 __all__ = [
@@ -132,7 +133,7 @@ def megatron_owned_ranges(optimizer, model_chunks) -> list[OwnedRange]:
         if getattr(leaf, "ddp_config", None) is not None and getattr(
             leaf.ddp_config, "use_megatron_fsdp", False
         ):
-            raise NotImplementedError("Megatron-FSDP ownership is not supported")
+            raise Unsupported("Megatron-FSDP ownership is not supported")
         # With num_distributed_optimizer_instances > 1 every instance holds the same
         # shards; the first one is the owner so ownership stays exclusive.
         owner = getattr(leaf, "distributed_optimizer_instance_id", 0) == 0

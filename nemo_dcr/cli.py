@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     d.add_argument("--pp", type=int, default=1)
     d.add_argument("--dp", type=int, default=2)
     d.add_argument("--receivers", type=int, default=2)
-    d.add_argument("--lr", type=float, default=2e-6)
+    d.add_argument("--lr", type=float, default=1e-6)
     d.add_argument("--op", default="xor", choices=["xor", "add", "overwrite"])
     d.add_argument("--family", default="qwen3", choices=["qwen3", "llama"])
     d.add_argument("--layers", type=int, default=4)

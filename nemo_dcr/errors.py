@@ -28,3 +28,7 @@ class TransferFailed(DCRError):
 
 class TransportError(DCRError):
     """A transport could not deliver within its configured limits."""
+
+
+class Unsupported(DCRError, ValueError):
+    """A model or parallel configuration this version cannot place or capture."""

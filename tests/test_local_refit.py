@@ -147,3 +147,18 @@ def test_failed_transfer_is_resent_against_the_committed_baseline(checkpoint, tm
         assert bit_mismatches(s.expected(), s.receivers[0].runtime.canonical_state()) == []
     finally:
         s.close()
+
+
+def test_first_payload_leaves_before_the_last_range_is_diffed(checkpoint, tmp_path):
+    s = Setup(checkpoint, tmp_path, n_receivers=1)
+    events = []
+    real_send, real_stage = s.refit.producer.end.send, s.refit.baseline.stage
+    s.refit.producer.end.send = lambda *a: (events.append("send"), real_send(*a))
+    s.refit.baseline.stage = lambda *a: (events.append("diff"), real_stage(*a))
+    try:
+        s.step()
+        assert s.refit.refit().decision.committed
+        assert events.index("send") < len(events) - 1 - events[::-1].index("diff")
+        assert events.count("send") > 2
+    finally:
+        s.close()

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from nemo_dcr.errors import Unsupported
+
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 __all__ = [
@@ -112,16 +114,16 @@ def transformer_config_from_hf(
     model_type = getattr(hf_config, "model_type", "")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
-        raise NotImplementedError(f"hidden_act {act!r}: only SwiGLU (silu) is supported")
+        raise Unsupported(f"hidden_act {act!r}: only SwiGLU (silu) is supported")
     if _rope_type_of(hf_config) != "default":
-        raise NotImplementedError(f"rope type {_rope_type_of(hf_config)!r} is not supported")
+        raise Unsupported(f"rope type {_rope_type_of(hf_config)!r} is not supported")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     if attention_bias and model_type == "llama":
         # Llama's attention_bias also biases o_proj, which Megatron only has together
         # with MLP biases (add_bias_linear).
-        raise NotImplementedError("Llama attention_bias (o_proj bias) is not supported")
+        raise Unsupported("Llama attention_bias (o_proj bias) is not supported")
     if getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("mlp_bias is not supported")
+        raise Unsupported("mlp_bias is not supported")
 
     fields = dict(
         num_layers=hf_config.num_hidden_layers,

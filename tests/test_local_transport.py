@@ -1,0 +1,162 @@
+"""The local transport on real shared memory and real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from nemo_dcr import registry
+from nemo_dcr.errors import TransportError
+from nemo_dcr.transport import TransferInfo
+
+INFO = TransferInfo("t1", 0, 1, ("p0",))
+
+
+def make(tmp_path, receivers=("rx0", "rx1"), **config):
+    return registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 5, **config},
+                              receivers=list(receivers))
+
+
+def drain(end, seen, stop, delay=0.0, reject=()):
+    """A receiver loop: record payload bytes, ack each (rejecting some)."""
+    while not stop.is_set():
+        ev = end.poll(0.05)
+        if ev is None:
+            continue
+        if ev.kind == "payload":
+            time.sleep(delay)
+            seen.append((ev.meta["payload_id"], bytes(ev.data)))
+            pid = ev.meta["payload_id"]
+            end.staged(ev.meta["transfer_id"], ev.meta["producer_id"], pid, "bad" if pid in reject else None)
+        else:
+            seen.append((ev.kind, ev.meta))
+        ev.release()
+
+
+def run_receivers(t, ids, **kw):
+    stop, threads, seen, ends = threading.Event(), [], {}, []
+    for rx in ids:
+        end = t.receiver(rx)
+        ends.append(end)
+        seen[rx] = []
+        th = threading.Thread(target=drain, args=(end, seen[rx], stop), kwargs=kw, daemon=True)
+        th.start()
+        threads.append(th)
+
+    def finish():
+        stop.set()
+        for th in threads:
+            th.join(5)
+        for end in ends:
+            end.close()
+
+    return seen, finish
+
+
+def test_every_receiver_gets_every_payload_and_segments_are_removed(tmp_path):
+    t = make(tmp_path)
+    seen, finish = run_receivers(t, t.receivers)
+    prod = t.producer("p0")
+    try:
+        blobs = {f"p0-{i}": os.urandom(1000 + i) for i in range(20)}
+        for pid, blob in blobs.items():
+            prod.send(INFO, pid, blob)
+        assert prod.flush(INFO, list(blobs)) == {}
+        time.sleep(0.2)
+        for rx in t.receivers:
+            got = {pid: data for pid, data in seen[rx] if isinstance(data, bytes)}
+            assert got == blobs
+            assert seen[rx][-1][0] == "manifest" and seen[rx][-1][1]["payload_ids"] == list(blobs)
+        assert os.listdir(tmp_path / "shm" / "data") == []
+    finally:
+        prod.close()
+        finish()
+        t.cleanup()
+    assert not (tmp_path / "shm").exists()
+
+
+def test_slow_receiver_back_pressures_the_producer(tmp_path):
+    bound = 4096
+    t = make(tmp_path, receivers=("rx0",), max_in_flight_bytes=bound)
+    seen, finish = run_receivers(t, t.receivers, delay=0.02)
+    prod = t.producer("p0")
+    peak = 0
+    try:
+        for i in range(30):
+            prod.send(INFO, f"p0-{i}", b"x" * 1000)
+            peak = max(peak, prod.in_flight_bytes)
+        prod.flush(INFO, [f"p0-{i}" for i in range(30)])
+        assert 0 < peak <= bound
+        assert prod.in_flight_bytes == 0
+    finally:
+        prod.close()
+        finish()
+        t.cleanup()
+
+
+def test_rejections_are_reported_by_flush(tmp_path):
+    t = make(tmp_path, receivers=("rx0",))
+    seen, finish = run_receivers(t, t.receivers, reject={"p0-1"})
+    prod = t.producer("p0")
+    try:
+        for i in range(3):
+            prod.send(INFO, f"p0-{i}", b"abc")
+        assert prod.flush(INFO, ["p0-0", "p0-1", "p0-2"]) == {"rx0": {"p0-1": "bad"}}
+    finally:
+        prod.close()
+        finish()
+        t.cleanup()
+
+
+def test_missing_receiver_fails_within_the_timeout_and_names_it(tmp_path):
+    t = make(tmp_path, receivers=("rx-absent",), timeout_s=1)
+    prod = t.producer("p0")
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransportError, match="receiver rx-absent"):
+            prod.send(INFO, "p0-0", b"abc")
+        assert time.monotonic() - start < 5
+        assert os.listdir(tmp_path / "shm" / "data" / "t1") == ["p0-0.ndcr"]  # still owned by the producer
+    finally:
+        prod.close()
+        t.cleanup()
+    assert not (tmp_path / "shm").exists()
+
+
+def test_silent_receiver_times_out_in_flush(tmp_path):
+    t = make(tmp_path, receivers=("rx0",), timeout_s=1)
+    end = t.receiver("rx0")  # bound, but never polls or acks
+    prod = t.producer("p0")
+    try:
+        prod.send(INFO, "p0-0", b"abc")
+        with pytest.raises(TransportError, match=r"receivers \['rx0'\] did not stage"):
+            prod.flush(INFO, ["p0-0"])
+    finally:
+        prod.close()
+        end.close()
+        t.cleanup()
+
+
+def test_coordinator_collects_and_names_missing_receivers(tmp_path):
+    t = make(tmp_path, receivers=("rx0", "rx1"), timeout_s=1)
+    ends = {rx: t.receiver(rx) for rx in t.receivers}
+    coord = t.coordinator()
+    try:
+        coord.broadcast("begin", {"transfer_id": "t1"})
+        for rx, end in ends.items():
+            ev = end.poll(2)
+            assert ev.kind == "begin" and ev.meta["transfer_id"] == "t1"
+        ends["rx0"].reply("ready", {"transfer_id": "t1", "error": None})
+        with pytest.raises(TransportError, match=r"\['rx1'\] sent no 'ready'"):
+            coord.collect("ready", "t1", 1)
+        ends["rx0"].reply("ready", {"transfer_id": "t1"})
+        ends["rx1"].reply("ready", {"transfer_id": "t1"})
+        assert set(coord.collect("ready", "t1", 2)) == {"rx0", "rx1"}
+    finally:
+        coord.close()
+        for end in ends.values():
+            end.close()
+        t.cleanup()
