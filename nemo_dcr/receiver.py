@@ -135,9 +135,10 @@ class Receiver:
                 cur.staged[pid] = payload
                 cur.staged_bytes += len(event.data)
             except PayloadRejected as e:
-                error = str(e)
+                error = e.reason
         cur.stage_s += time.perf_counter() - t
         if error is not None:
+            error = f"payload {pid} from {producer} rejected: {error}"
             cur.errors.append(error)
             self.log(f"[{self.id}] {error}")
         self.end.staged(tid, producer, pid, error)

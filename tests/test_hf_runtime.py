@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from nemo_dcr import dtypes
+from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
-from nemo_dcr.runtimes.hf import HFRuntime, read_safetensors_catalog
+from nemo_dcr.runtimes.hf import HFRuntime
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,7 +112,7 @@ def receiver(checkpoints, family, **kw) -> HFRuntime:
 # -- transformers models --------------------------------------------------------------
 def test_catalog_from_safetensors_headers(checkpoints):
     llama = receiver(checkpoints, "llama")
-    assert llama.catalog() == read_safetensors_catalog(checkpoints["llama"][0])
+    assert llama.catalog() == read_specs(checkpoints["llama"][0])
     assert "lm_head.weight" in llama.catalog()
     assert llama.catalog()["model.embed_tokens.weight"] == ("BF16", (300, 64))
     qwen = receiver(checkpoints, "qwen3")

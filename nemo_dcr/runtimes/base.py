@@ -3,7 +3,7 @@
 A runtime adapter sits between canonical records (tensor name, flat positions, bit
 values) and a serving runtime's own parameter storage. It never knows a model family:
 where a canonical element lands is decided by the runtime's native loader, which the
-adapter drives and intercepts (see `nemo_dcr.runtimes.hf`).
+adapter drives and intercepts (see `nemo_dcr.runtimes.intercept`).
 """
 
 from __future__ import annotations

@@ -1,612 +1,24 @@
 """Hugging Face transformers receiver: records applied through `load_state_dict`.
 
-The receiver never decides where a canonical element lives in the serving model; the
-model's own loader does. For each canonical tensor named by a batch of records we
-hand the loader a *scratch* tensor of the canonical shape and dtype, and a
-`TorchDispatchMode` watches every aten op the loader runs:
-
-* a `copy_` into parameter/buffer storage is *recorded, not executed*. If its source
-  is the scratch or a view of it (same storage, same dtype), its geometry (size,
-  stride, storage offset, after broadcasting) says exactly which canonical element
-  lands on which destination element, whatever narrowing, slicing, splitting or
-  transposing the loader did;
-* any other write into model storage (fill_, index_put_, out=...) fails closed;
-* a write into the scratch itself marks the tensor as value-transforming.
-
-Nothing is written until the whole batch has been planned and validated. Then each
-record is applied on the integer bit view of the destinations: `^=` for xor,
-wrapping `+=` (same-width signed ints) for add, `where(mask, new, old)` for masked
-overwrite, so any bit pattern (NaN payloads, -0.0) arrives intact. A single identity
-copy (the usual HF case) is applied sparsely at the record's positions; anything
-else goes through dense value/mask buffers viewed with the copy's geometry.
-
-A loader that transforms values, casts, or writes overlapping regions cannot carry a
-delta exactly: xor/add records fail closed (ApplyError, nothing written) and the
-sender falls back to overwrite. An overwrite through such a loader hands it the whole
-new tensor (current canonical bits with the record applied), lets it write the way a
-dense refit would, verifies the result through `canonical_state()`, and keeps the raw
-old bits of the written regions to undo.
-
-Limits: copies are traced by storage identity only through views of the scratch (a
-`.clone()`/`.contiguous()` of a non-contiguous view counts as a transformation);
-overlap between two canonical tensors is only seen when both are in the same call;
-a loader that replaces parameter storage (assign=True, swap_tensors) is refused.
-Every parameter and buffer (persistent or not) counts as model storage.
-
-`NativeLoaderAdapter` is the runtime-agnostic engine (a vLLM or Megatron adapter only
-supplies `_load`, `_destinations` and `canonical_state`); it lives here, which is why
-this module is longer than most, until it moves next to `base.py`.
+`HFRuntime` is the Hugging Face half of the receiver: it runs `load_state_dict` as the
+native loader, names every parameter and buffer as model storage, and builds the
+catalog from the version-0 checkpoint's safetensors headers (`nemo_dcr.checkpoint.
+read_specs`) or the model's state_dict, listing tied aliases once. Interception,
+planning, application and undo are the runtime-agnostic engine in
+`nemo_dcr.runtimes.intercept`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr import dtypes
+from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
-from nemo_dcr.records import Op, Record
-from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
-
-_aten = torch.ops.aten
-# numpy dtype with the same width as `DType.bits_torch` (torch lacks wide unsigned ops)
-_NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _skey(t: torch.Tensor) -> int | None:
-    """Identity of the storage behind a tensor, shared by all its views (also on meta)."""
-    try:
-        return t.untyped_storage()._cdata
-    except Exception:  # sparse / wrapper tensors have no plain storage
-        return None
-
-
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors an aten op mutates, read from its schema (`Tensor(a!)` arguments)."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
-
-
-@dataclass(frozen=True)
-class _View:
-    """Strided geometry of a tensor inside its storage, in elements."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _View:
-        return cls(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.size)
-
-    def span(self) -> tuple[int, int]:
-        """[first, last + 1) storage elements touched (empty when numel is 0)."""
-        if self.numel == 0:
-            return self.offset, self.offset
-        return self.offset, self.offset + sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1
-
-    def _dims(self) -> list[tuple[int, int]]:
-        return sorted((st, s) for s, st in zip(self.size, self.stride) if s > 1)
-
-    def distinct(self) -> bool:
-        """No two elements share a storage element (sufficient test)."""
-        reach = 0
-        for st, s in self._dims():
-            if st <= reach:
-                return False
-            reach += (s - 1) * st
-        return True
-
-    def dense(self) -> bool:
-        """Elements fill [offset, offset + numel) exactly (a permutation of contiguous)."""
-        expected = 1
-        for st, s in self._dims():
-            if st != expected:
-                return False
-            expected *= s
-        return True
-
-    def deduplicated(self) -> _View:
-        """The same set of elements without broadcast (stride-0) dimensions."""
-        keep = [(s, st) for s, st in zip(self.size, self.stride) if st != 0 or s <= 1]
-        return _View(tuple(s for s, _ in keep), tuple(st for _, st in keep), self.offset)
-
-    def indices(self) -> torch.Tensor:
-        """Flat storage indices of every element (explicit; only for odd layouts)."""
-        idx = torch.full((), self.offset, dtype=torch.int64)
-        for d, (s, st) in enumerate(zip(self.size, self.stride)):
-            shape = [1] * len(self.size)
-            shape[d] = s
-            idx = idx + (torch.arange(s, dtype=torch.int64) * st).view(shape)
-        return idx.reshape(-1)
-
-
-def _torch_bits(values: np.ndarray, dtype: dtypes.DType) -> torch.Tensor:
-    """Unsigned numpy bits -> the same-width torch integer view (`DType.bits_torch`)."""
-    arr = np.ascontiguousarray(values, dtype=f"=u{dtype.itemsize}")
-    if not arr.flags.writeable:
-        arr = arr.copy()
-    return torch.from_numpy(arr.view(_NP_BITS[dtype.itemsize]))
-
-
-def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(size):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-def _mark(marks: torch.Tensor, view: _View, base: int) -> bool:
-    """Set `view`'s elements in `marks` (index = storage element - base); True if any was set."""
-    v = _View(view.size, view.stride, view.offset - base)
-    if v.distinct():
-        region = marks.as_strided(v.size, v.stride, v.offset)
-        hit = bool(region.any())
-        region.fill_(True)
-    else:
-        idx = v.indices()
-        hit = bool(marks[idx].any()) or torch.unique(idx).numel() != idx.numel()
-        marks[idx] = True
-    return hit
-
-
-@dataclass
-class _Copy:
-    """One intercepted `dst.copy_(src)`: canonical elements `src` land on `dst`."""
-
-    dst: torch.Tensor
-    src: _View  # in scratch (canonical, contiguous) elements, broadcast to dst's shape
-    dst_view: _View
-    dst_key: int
-    where: str  # destination name, for messages
-
-
-@dataclass
-class _Plan:
-    """Where one canonical tensor's elements land, as the native loader put them."""
-
-    name: str
-    dtype: dtypes.DType
-    shape: tuple[int, ...]
-    copies: list[_Copy] = field(default_factory=list)
-    irregular: str | None = None  # why only a verified dense overwrite is exact
-    identity: bool = False  # one plain copy of the whole tensor: apply sparsely
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass
-class _Restore:
-    """Raw old bits of regions written by a dense overwrite, restored verbatim."""
-
-    items: list[tuple[torch.Tensor, torch.Tensor]]
-
-    def restore(self) -> None:
-        for dst, old in reversed(self.items):
-            dtypes.bits_of(dst.detach()).copy_(old)
-
-
-class _Interceptor(TorchDispatchMode):
-    """Records copies into model storage instead of running them; refuses other writes."""
-
-    def __init__(self, scratch: dict[int, str], destinations: dict[int, str]):
-        super().__init__()
-        self.scratch = scratch
-        self.destinations = destinations
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.mutated: set[str] = set()
-        self.errors: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        written = _written(func, args, kwargs)
-        for t in written:
-            name = self.scratch.get(_skey(t))
-            if name is not None:
-                self.mutated.add(name)
-        hits = [self.destinations[k] for k in map(_skey, written) if k in self.destinations]
-        if not hits:
-            return func(*args, **kwargs)
-        if func is _aten.copy_.default and len(written) == 1 and isinstance(args[1], torch.Tensor):
-            self.copies.append((args[0], args[1]))
-            return args[0]
-        msg = f"the loader writes {hits[0]} with {func} (only copies can be intercepted)"
-        self.errors.append(msg)
-        raise ApplyError(msg)
-
-
-class NativeLoaderAdapter(RuntimeAdapter):
-    """Applies records by intercepting a runtime's native loader (runtime-agnostic part).
-
-    Subclasses say how to run the loader (`_load`), which storages belong to the model
-    (`_destinations`) and how to read a canonical tensor back (`canonical_state`).
-    """
-
-    full_coverage = True  # the loader must consume every element of a tensor it loads
-    scratch_device: str | torch.device | None = None  # None: the tensor's own device
-
-    # -- to implement -------------------------------------------------------------
-    def _load(self, tensors: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError
-
-    def _destinations(self) -> dict[int, str]:
-        """Storage identity (`_skey`) -> a name, for every parameter and buffer."""
-        raise NotImplementedError
-
-    def _canonical_tensor(self, name: str) -> torch.Tensor:
-        return self.canonical_state()[name]
-
-    # -- contract -----------------------------------------------------------------
-    def check(self, records: Sequence[Record]) -> None:
-        self._prepare(list(records))
-
-    def apply(self, records: Sequence[Record]) -> UndoLog:
-        records = list(records)
-        plans = self._prepare(records)
-        records = [r for r in records if len(r)]  # an empty record changes nothing
-        log = UndoLog()
-        try:
-            for record in records:
-                log.steps.append(self._execute(record, plans[record.name]))
-        except BaseException as exc:
-            try:
-                self._undo(log.steps, plans)  # same geometry: no second loader run
-            except Exception as undo_exc:
-                raise ApplyError(
-                    f"apply failed ({exc}) and reverting it failed too ({undo_exc}): "
-                    "runtime bits are inconsistent, reload from an anchor checkpoint"
-                ) from exc
-            raise
-        return log
-
-    def revert(self, log: UndoLog) -> None:
-        if log.reverted:
-            raise ApplyError("this undo log was already reverted")
-        self._undo(log.steps)
-        log.reverted = True
-
-    # -- validation and planning (writes nothing) ----------------------------------
-    def _prepare(self, records: list[Record]) -> dict[str, _Plan]:
-        if torch.__future__.get_swap_module_params_on_conversion():
-            raise ApplyError("torch swap_module_params_on_conversion is on: loads would replace storage")
-        catalog = self.catalog()
-        for i, record in enumerate(records):
-            self._check_static(i, record, catalog)
-        plans = self._plan({r.name for r in records if len(r)})
-        for i, record in enumerate(records):
-            plan = plans.get(record.name)
-            if plan is not None and plan.irregular and Op(record.op) is not Op.OVERWRITE:
-                raise ApplyError(
-                    f"record {i} ({record.name!r}, {Op(record.op).value}): {plan.irregular}; "
-                    "a delta cannot be applied exactly through this loader, send an overwrite"
-                )
-        return plans
-
-    def _check_static(self, i: int, r: Record, catalog: Catalog) -> None:
-        where = f"record {i} ({getattr(r, 'name', '?')!r})"
-        if not isinstance(r, Record):
-            raise ApplyError(f"{where}: not a Record")
-        if r.name not in catalog:
-            raise ApplyError(f"{where}: tensor {r.name!r} is not in the runtime's catalog")
-        dtype_name, shape = catalog[r.name]
-        if r.dtype != dtype_name:
-            raise ApplyError(f"{where}: dtype {r.dtype} but {r.name} is {dtype_name}")
-        if tuple(r.shape) != tuple(shape):
-            raise ApplyError(f"{where}: shape {tuple(r.shape)} but {r.name} is {tuple(shape)}")
-        try:
-            Op(r.op)
-        except ValueError:
-            raise ApplyError(f"{where}: unknown operation {r.op!r}") from None
-        pos, vals = r.positions, r.values
-        if not isinstance(pos, np.ndarray) or pos.ndim != 1 or pos.dtype.kind != "u":
-            raise ApplyError(f"{where}: positions must be a 1-D unsigned integer array")
-        itemsize = dtypes.from_name(dtype_name).itemsize
-        if (not isinstance(vals, np.ndarray) or vals.ndim != 1 or vals.dtype.kind != "u"
-                or vals.dtype.itemsize != itemsize):
-            raise ApplyError(f"{where}: values must be a 1-D array of <u{itemsize}")
-        if pos.shape != vals.shape:
-            raise ApplyError(f"{where}: {pos.shape[0]} positions but {vals.shape[0]} values")
-        if pos.size and (pos[-1] >= r.numel or np.any(pos[1:] <= pos[:-1])):
-            bad = "out of range" if pos[-1] >= r.numel else "not strictly increasing"
-            raise ApplyError(f"{where}: positions {bad} (numel {r.numel})")
-
-    def _plan(self, names: set[str]) -> dict[str, _Plan]:
-        """Run the loader once for all names; one at a time when copies are ambiguous."""
-        if not names:
-            return {}
-        plans = self._plan_batch(sorted(names))
-        if plans is None:
-            plans = {}
-            for name in sorted(names):
-                plans.update(self._plan_batch([name]))
-        return plans
-
-    def _scratch(self, name: str) -> torch.Tensor:
-        dtype_name, shape = self.catalog()[name]
-        device = self.scratch_device
-        if device is None:
-            try:
-                device = self._canonical_tensor(name).device
-            except Exception:
-                device = "cpu"
-        return torch.empty(shape, dtype=dtypes.from_name(dtype_name).torch_dtype, device=device)
-
-    def _intercepted_load(self, tensors: dict[str, torch.Tensor]) -> _Interceptor:
-        label = ", ".join(sorted(tensors))
-        destinations = self._destinations()
-        mode = _Interceptor({_skey(t): n for n, t in tensors.items()}, destinations)
-        try:
-            with mode:
-                self._load(tensors)
-        except Exception as exc:
-            reason = mode.errors[0] if mode.errors else exc if isinstance(exc, ApplyError) else (
-                f"the native loader failed: {exc}")
-            raise ApplyError(f"{label}: {reason}") from exc
-        if mode.errors:
-            raise ApplyError(f"{label}: {mode.errors[0]}")
-        if set(self._destinations()) != set(destinations):
-            raise ApplyError(f"{label}: the loader replaced parameter storage; cannot apply in place")
-        return mode
-
-    def _plan_batch(self, names: list[str]) -> dict[str, _Plan] | None:
-        single = len(names) == 1
-        catalog = self.catalog()
-        scratch = {n: self._scratch(n) for n in names}
-        by_key = {_skey(t): n for n, t in scratch.items()}
-        try:
-            mode = self._intercepted_load(scratch)
-        except ApplyError:
-            if single:
-                raise
-            return None  # attribute the failure to one tensor
-        plans = {
-            n: _Plan(n, dtypes.from_name(catalog[n][0]), tuple(catalog[n][1])) for n in names
-        }
-        for dst, src in mode.copies:
-            where = mode.destinations.get(_skey(dst), "?")
-            name = by_key.get(_skey(src))
-            if name is None:
-                if not single:
-                    return None
-                plan = plans[names[0]]
-                plan.irregular = (f"the loader copies a transformed value (not a view of {plan.name}) "
-                                  f"into {where}")
-                plan.copies.append(_Copy(dst, _View((), (), 0), _View.of(dst), _skey(dst), where))
-                continue
-            plan = plans[name]
-            if src.dtype != scratch[name].dtype or dst.dtype != src.dtype:
-                plan.irregular = f"the loader casts {src.dtype} into {where} ({dst.dtype})"
-            try:
-                geometry = _View.of(src.expand(dst.shape))
-            except RuntimeError:
-                raise ApplyError(f"{name}: shape {tuple(src.shape)} cannot be copied into "
-                                 f"{where} {tuple(dst.shape)}") from None
-            plan.copies.append(_Copy(dst, geometry, _View.of(dst), _skey(dst), where))
-        for name in mode.mutated:
-            plans[name].irregular = f"the loader modifies the incoming {name} in place"
-        self._mark_overlaps(plans)
-        for plan in plans.values():
-            self._finish(plan)
-        return plans
-
-    def _mark_overlaps(self, plans: dict[str, _Plan]) -> None:
-        """Copies writing one destination element twice would double-apply a delta."""
-        by_storage: dict[int, list[tuple[_Copy, _Plan]]] = {}
-        for plan in plans.values():
-            for copy in plan.copies:
-                if not copy.dst_view.distinct():
-                    plan.irregular = f"the loader writes {copy.where} through an overlapping view"
-                by_storage.setdefault(copy.dst_key, []).append((copy, plan))
-        for entries in by_storage.values():
-            if len(entries) < 2:
-                continue
-            entries.sort(key=lambda e: e[0].dst_view.span())
-            cluster, end = [entries[0]], entries[0][0].dst_view.span()[1]
-            for entry in entries[1:] + [None]:
-                lo, hi = entry[0].dst_view.span() if entry else (end, end)
-                if entry is not None and lo < end:
-                    cluster.append(entry)
-                    end = max(end, hi)
-                    continue
-                if len(cluster) > 1:
-                    self._check_cluster(cluster)
-                if entry is not None:
-                    cluster, end = [entry], hi
-
-    @staticmethod
-    def _check_cluster(cluster: list[tuple[_Copy, _Plan]]) -> None:
-        sizes = {c.dst.element_size() for c, _ in cluster}
-        base = min(c.dst_view.span()[0] for c, _ in cluster)
-        top = max(c.dst_view.span()[1] for c, _ in cluster)
-        marks = torch.zeros(top - base, dtype=torch.bool)
-        overlap = len(sizes) > 1 or any([_mark(marks, c.dst_view, base) for c, _ in cluster])
-        if overlap:
-            for copy, plan in cluster:
-                plan.irregular = f"the loader writes overlapping regions of {copy.where}"
-
-    def _finish(self, plan: _Plan) -> None:
-        if not plan.copies:
-            raise ApplyError(f"{plan.name}: the runtime's loader never wrote this tensor (skipped)")
-        if plan.irregular:
-            return
-        full = _View(plan.shape, _contiguous(plan.shape), 0)
-        first = plan.copies[0]
-        plan.identity = (
-            len(plan.copies) == 1
-            and first.src == full
-            and first.dst_view.size == plan.shape
-            and first.dst.is_contiguous()
-        )
-        if self.full_coverage and not plan.identity and not self._covered(plan):
-            raise ApplyError(f"{plan.name}: the runtime's loader wrote only part of this tensor")
-
-    @staticmethod
-    def _covered(plan: _Plan) -> bool:
-        views = [c.src.deduplicated() for c in plan.copies]
-        if all(v.dense() for v in views):
-            spans = sorted(v.span() for v in views)
-            reach = 0
-            for lo, hi in spans:
-                if lo > reach:
-                    return False
-                reach = max(reach, hi)
-            return reach >= plan.numel
-        marks = torch.zeros(plan.numel, dtype=torch.bool)
-        for v in views:
-            _mark(marks, v, 0)
-        return bool(marks.all())
-
-    # -- writing -------------------------------------------------------------------
-    def _execute(self, record: Record, plan: _Plan):
-        """Apply one record; return the step that undoes it. All or nothing."""
-        if plan.irregular:
-            return self._dense_overwrite(record, plan)
-        if Op(record.op) is Op.OVERWRITE:
-            undo = Record(record.name, record.dtype, record.shape, Op.OVERWRITE, record.positions,
-                          self._old_bits(record, plan))
-        else:
-            undo = inverse(record)
-        done: list[_Copy] = []
-        cache: dict = {}
-        try:
-            for copy in plan.copies:
-                self._write(plan, record, copy, cache)
-                done.append(copy)
-        except BaseException:
-            cache.clear()  # each copy is one in-place kernel: undo only those that completed
-            for copy in done:
-                self._write(plan, undo, copy, cache)
-            raise
-        return undo
-
-    def _write(self, plan: _Plan, record: Record, copy: _Copy, cache: dict) -> None:
-        """Apply `record` to the destination elements of one copy, on the bit view."""
-        op = Op(record.op)
-        bits = dtypes.bits_of(copy.dst.detach())
-        device = bits.device
-        if ("pos", device) not in cache:
-            cache["pos", device] = torch.from_numpy(record.positions.astype(np.int64)).to(device)
-            cache["vals", device] = _torch_bits(record.values, plan.dtype).to(device)
-        pos, vals = cache["pos", device], cache["vals", device]
-        if plan.identity:  # sparse: touch only the record's positions
-            flat = bits.view(-1)
-            if op is Op.XOR:
-                flat.index_put_((pos,), flat[pos] ^ vals)
-            else:
-                flat.index_put_((pos,), vals, accumulate=op is Op.ADD)
-            return
-        if ("dense", device) not in cache:  # materialised once per record and device
-            values = torch.zeros(plan.numel, dtype=bits.dtype, device=device)
-            values[pos] = vals
-            mask = None
-            if op is Op.OVERWRITE:
-                mask = torch.zeros(plan.numel, dtype=torch.bool, device=device)
-                mask[pos] = True
-            cache["dense", device] = (values, mask)
-        values, mask = cache["dense", device]
-        g = copy.src
-        v = values.as_strided(g.size, g.stride, g.offset)
-        if op is Op.XOR:
-            bits.bitwise_xor_(v)
-        elif op is Op.ADD:
-            bits.add_(v)  # wraps: mod 2**width on the same-width signed view
-        else:
-            bits.copy_(torch.where(mask.as_strided(g.size, g.stride, g.offset), v, bits))
-
-    def _old_bits(self, record: Record, plan: _Plan) -> np.ndarray:
-        current = self._canonical_tensor(record.name).detach()
-        if current.dtype != plan.dtype.torch_dtype or tuple(current.shape) != plan.shape:
-            raise ApplyError(f"{record.name}: the runtime holds {current.dtype} {tuple(current.shape)}, "
-                             f"not the canonical {plan.dtype.name} {plan.shape}")
-        bits = dtypes.bits_of(current)
-        pos = torch.from_numpy(record.positions.astype(np.int64)).to(bits.device)
-        if bits.is_contiguous():
-            old = bits.view(-1)[pos]
-        else:
-            old = bits[torch.unravel_index(pos, plan.shape)]
-        return old.cpu().numpy().view(plan.dtype.bits_numpy).copy()
-
-    def _dense_overwrite(self, record: Record, plan: _Plan) -> _Restore:
-        """Overwrite through a loader that transforms/casts/overlaps: dense, then verified."""
-        current = self._canonical_tensor(record.name).detach()
-        if current.dtype != plan.dtype.torch_dtype or tuple(current.shape) != plan.shape:
-            raise ApplyError(f"{record.name}: cannot read the canonical tensor back to overwrite it densely")
-        target = current.clone(memory_format=torch.contiguous_format)
-        pos = torch.from_numpy(record.positions.astype(np.int64)).to(target.device)
-        dtypes.bits_of(target).view(-1)[pos] = _torch_bits(record.values, plan.dtype).to(target.device)
-        expected = target.clone()  # the loader may modify what it is handed
-        mode = self._intercepted_load({record.name: target})
-        if not mode.copies:
-            raise ApplyError(f"{record.name}: the runtime's loader never wrote this tensor (skipped)")
-        restore = _Restore([])
-        try:
-            for dst, src in mode.copies:  # replay in the loader's order, as a dense load would
-                restore.items.append((dst, dtypes.bits_of(dst.detach()).clone()))
-                with torch.no_grad():
-                    dst.detach().copy_(src)
-            got = self._canonical_tensor(record.name).detach()
-            if got.dtype != expected.dtype or got.shape != expected.shape or not torch.equal(
-                dtypes.bits_of(got), dtypes.bits_of(expected).to(got.device)
-            ):
-                raise ApplyError(
-                    f"{record.name}: {plan.irregular}, and a dense overwrite through it does not "
-                    "reproduce the canonical bits"
-                )
-        except BaseException:
-            restore.restore()
-            raise
-        return restore
-
-    def _undo(self, steps: list, plans: dict[str, _Plan] | None = None) -> None:
-        if plans is None:
-            plans = self._plan({s.name for s in steps if isinstance(s, Record) and len(s)})
-        for step in reversed(steps):
-            if isinstance(step, _Restore):
-                step.restore()
-            elif len(step):
-                self._execute(step, plans[step.name])
-
-
-def read_safetensors_catalog(checkpoint_dir: str | os.PathLike) -> Catalog:
-    """Tensor name -> (dtype, shape) from the JSON headers of every *.safetensors file."""
-    catalog: Catalog = {}
-    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise ApplyError(f"no *.safetensors file in {checkpoint_dir}")
-    for fname in files:
-        with open(os.path.join(checkpoint_dir, fname), "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            entry = (str(info["dtype"]), tuple(int(s) for s in info["shape"]))
-            if catalog.setdefault(name, entry) != entry:
-                raise ApplyError(f"{name} appears twice in {checkpoint_dir} with different dtype/shape")
-    return catalog
+from nemo_dcr.runtimes.base import Catalog
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, storage_key
 
 
 class HFRuntime(NativeLoaderAdapter):
@@ -626,8 +38,13 @@ class HFRuntime(NativeLoaderAdapter):
         self.scratch_device = scratch_device
         self._live: dict[str, torch.Tensor] = {}
         state = model.state_dict()
-        source = (read_safetensors_catalog(checkpoint_dir) if checkpoint_dir is not None else
-                  {n: (dtypes.from_torch(t.dtype).name, tuple(t.shape)) for n, t in state.items()})
+        if checkpoint_dir is None:
+            source = {n: (dtypes.from_torch(t.dtype).name, tuple(t.shape)) for n, t in state.items()}
+        else:
+            try:
+                source = read_specs(checkpoint_dir)
+            except (FileNotFoundError, ValueError) as exc:  # no safetensors, duplicate, bad dtype
+                raise ApplyError(f"cannot read the catalog of {checkpoint_dir}: {exc}") from exc
         self.ignored: dict[str, str] = {}
         try:
             tied_targets = set(model.get_expanded_tied_weights_keys())
@@ -639,7 +56,7 @@ class HFRuntime(NativeLoaderAdapter):
             if t is None:
                 self.ignored[name] = "the model has no such parameter or buffer"
                 continue
-            alias = (_skey(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            alias = (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
             groups.setdefault(alias, []).append(name)
         keep = set()
         for names in groups.values():
@@ -661,7 +78,7 @@ class HFRuntime(NativeLoaderAdapter):
             self.model.named_buffers(remove_duplicate=False)
         ):
             if t is not None:
-                out.setdefault(_skey(t), name)
+                out.setdefault(storage_key(t), name)
         return out
 
     def _canonical_tensor(self, name: str) -> torch.Tensor:
@@ -670,18 +87,13 @@ class HFRuntime(NativeLoaderAdapter):
             return t
         state = self.model.state_dict()
         destinations = self._destinations()
-        self._live = {n: v for n, v in state.items() if n in self._catalog and _skey(v) in destinations}
+        self._live = {n: v for n, v in state.items() if n in self._catalog and storage_key(v) in destinations}
         if name not in state:
             raise ApplyError(f"{name}: the model's state_dict does not contain it")
         return state[name]
 
-    def _prepare(self, records: list[Record]) -> dict[str, _Plan]:
+    def _refresh(self) -> None:
         self._live = {}  # parameters may have moved or been replaced since the last call
-        return super()._prepare(records)
-
-    def _undo(self, steps: list, plans: dict[str, _Plan] | None = None) -> None:
-        self._live = {}
-        super()._undo(steps, plans)
 
     def _load(self, tensors: dict[str, torch.Tensor]) -> None:
         # A loader that rebinds a parameter (`p.data = x`, assign=True) would leave the
@@ -692,10 +104,10 @@ class HFRuntime(NativeLoaderAdapter):
             self.model.load_state_dict(tensors, strict=False)
         finally:
             moved = [key for store, key, t, data in bound
-                     if store.get(key) is not t or _skey(t) != _skey(data)]
+                     if store.get(key) is not t or storage_key(t) != storage_key(data)]
             for store, key, t, data in bound:
                 store[key] = t
-                if _skey(t) != _skey(data):
+                if storage_key(t) != storage_key(data):
                     t.data = data
         if moved:
             raise ApplyError(f"the loader rebinds {moved[0]!r} instead of copying into it")

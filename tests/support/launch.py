@@ -68,3 +68,17 @@ def torchrun(nproc: int, worker: Path, *args: str, ok_marker: str, timeout: floa
         )[-6000:]
         pytest.fail(f"torchrun exited {rc}:\n{tail}")
     return out
+
+
+def run_worker(main) -> None:
+    """Entry point of a torchrun worker: any failure exits 1 at once, so the other
+    ranks are torn down by torchrun instead of hanging in a collective."""
+    import traceback
+
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -24,7 +24,6 @@ import argparse
 import math
 import os
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -318,10 +317,6 @@ def check_logits(model, hf_config, export):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    from tests.support.launch import run_worker
+
+    run_worker(main)

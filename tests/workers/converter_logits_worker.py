@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
@@ -76,10 +75,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    from tests.support.launch import run_worker
+
+    run_worker(main)
