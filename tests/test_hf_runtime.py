@@ -303,6 +303,14 @@ def _param(t: torch.Tensor) -> torch.nn.Parameter:
     return torch.nn.Parameter(t, requires_grad=t.is_floating_point())
 
 
+class OneWeight(torch.nn.Module):
+    """A module with one weight; subclasses define how their loader copies into it."""
+
+    def __init__(self, shape, dtype):
+        super().__init__()
+        self.weight = _param(torch.zeros(shape, dtype=dtype))
+
+
 class Transposed(torch.nn.Module):
     """Stores canonical (out, in) as (in, out): loader copies src.t()."""
 
@@ -339,12 +347,8 @@ class SplitRows(torch.nn.Module):
         dest[prefix + "weight"] = torch.cat([self.a.detach(), self.b.detach()])
 
 
-class ColumnHalves(torch.nn.Module):
+class ColumnHalves(OneWeight):
     """Two copies into column slices of one parameter (bounding ranges overlap, elements don't)."""
-
-    def __init__(self, shape, dtype):
-        super().__init__()
-        self.weight = _param(torch.zeros(shape, dtype=dtype))
 
     @torch.no_grad()
     def _load_from_state_dict(self, sd, prefix, *args):
@@ -370,12 +374,8 @@ class Sliced(torch.nn.Module):
             self.counts.copy_(sd[prefix + "counts"])
 
 
-class Overlapping(torch.nn.Module):
+class Overlapping(OneWeight):
     """Copies the tensor twice into the same parameter: a delta would apply twice."""
-
-    def __init__(self, shape, dtype):
-        super().__init__()
-        self.weight = _param(torch.zeros(shape, dtype=dtype))
 
     @torch.no_grad()
     def _load_from_state_dict(self, sd, prefix, *args):
@@ -384,12 +384,8 @@ class Overlapping(torch.nn.Module):
             self.weight.copy_(sd[prefix + "weight"])
 
 
-class RoundTrip(torch.nn.Module):
+class RoundTrip(OneWeight):
     """Copies src.t().contiguous().t(): same values, but a new tensor (a transformation)."""
-
-    def __init__(self, shape, dtype):
-        super().__init__()
-        self.weight = _param(torch.zeros(shape, dtype=dtype))
 
     @torch.no_grad()
     def _load_from_state_dict(self, sd, prefix, *args):
@@ -397,12 +393,8 @@ class RoundTrip(torch.nn.Module):
             self.weight.copy_(sd[prefix + "weight"].t().contiguous().t())
 
 
-class HalfOnly(torch.nn.Module):
+class HalfOnly(OneWeight):
     """Loads only the first rows: the rest of the canonical tensor is silently dropped."""
-
-    def __init__(self, shape, dtype):
-        super().__init__()
-        self.weight = _param(torch.zeros(shape, dtype=dtype))
 
     @torch.no_grad()
     def _load_from_state_dict(self, sd, prefix, *args):
@@ -410,21 +402,13 @@ class HalfOnly(torch.nn.Module):
             self.weight[:1].copy_(sd[prefix + "weight"][:1])
 
 
-class Rebinder(torch.nn.Module):
-    def __init__(self, shape, dtype):
-        super().__init__()
-        self.weight = _param(torch.zeros(shape, dtype=dtype))
-
+class Rebinder(OneWeight):
     def _load_from_state_dict(self, sd, prefix, *args):
         if prefix + "weight" in sd:
             self.weight.data = sd[prefix + "weight"]
 
 
-class Filler(torch.nn.Module):
-    def __init__(self, shape, dtype):
-        super().__init__()
-        self.weight = _param(torch.zeros(shape, dtype=dtype))
-
+class Filler(OneWeight):
     @torch.no_grad()
     def _load_from_state_dict(self, sd, prefix, *args):
         if prefix + "weight" in sd:
