@@ -2,10 +2,12 @@
 
 A transfer v -> v+1 commits only when every producer has flushed with no payload
 rejected and every receiver has applied the whole transfer. The commit point is a
-record `commits/v<target>.json` created with O_EXCL in the coordinator's state
-directory: a compare-and-set, so two coordinators can never both commit the same
+record for v+1 created with compare-and-set semantics (by default a file
+`commits/v<target>.json` created with O_EXCL in the coordinator's state directory), so two coordinators can never both commit the same
 version. After it exists, receivers serve v+1 and producers take v+1 as their
-baseline; before it, both stay at v.
+baseline; before it, both stay at v. Transports whose peers share no file system
+keep the records elsewhere (`Transport.commit_log`), e.g. as conditional writes in
+object storage.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import time
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from nemo_dcr.errors import TransportError
@@ -33,8 +36,29 @@ class Decision:
         return self.__dict__.copy()
 
 
-class CommitLog:
-    """Commit records in a directory; the newest one is the committed version."""
+class AlreadyCommitted(Exception):
+    """Another coordinator committed this version first."""
+
+
+class CommitLog(ABC):
+    """Where commit records live; the newest one is the committed version."""
+
+    @abstractmethod
+    def latest(self) -> int:
+        """The highest committed version (0 when nothing was committed)."""
+
+    @abstractmethod
+    def write(self, info: TransferInfo, extra: dict) -> None:
+        """Atomically create the record for info.target_version (compare-and-set);
+        raise AlreadyCommitted if it exists."""
+
+    @staticmethod
+    def record(info: TransferInfo, extra: dict) -> bytes:
+        return json.dumps({**info.to_json(), **extra, "committed_at": time.time()}, sort_keys=True).encode()
+
+
+class DirectoryCommitLog(CommitLog):
+    """Commit records as files `commits/v<N>.json` in a (shared) directory."""
 
     _NAME = re.compile(r"^v(\d{8,})\.json$")
 
@@ -47,10 +71,12 @@ class CommitLog:
         return max(versions, default=0)
 
     def write(self, info: TransferInfo, extra: dict) -> None:
-        """Create the record for info.target_version; fails if it already exists."""
         path = os.path.join(self.dir, f"v{info.target_version:08d}.json")
-        body = json.dumps({**info.to_json(), **extra, "committed_at": time.time()}, sort_keys=True).encode()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        body = self.record(info, extra)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise AlreadyCommitted(path) from None
         try:
             os.write(fd, body)
             os.fsync(fd)
@@ -59,8 +85,8 @@ class CommitLog:
 
 
 class Coordinator:
-    def __init__(self, end: CoordinatorEnd, state_dir: str | os.PathLike, *, timeout_s: float = 300.0):
-        self.end, self.log, self.timeout_s = end, CommitLog(state_dir), timeout_s
+    def __init__(self, end: CoordinatorEnd, log: CommitLog, *, timeout_s: float = 300.0):
+        self.end, self.log, self.timeout_s = end, log, timeout_s
         self.version = self.log.latest()
 
     def new_transfer(self, producers: list[str]) -> TransferInfo:
@@ -89,7 +115,7 @@ class Coordinator:
         if not reasons:
             try:
                 self.log.write(info, {"receivers": sorted(replies)})
-            except FileExistsError:
+            except AlreadyCommitted:
                 reasons.append(f"version {info.target_version} was already committed by another coordinator")
         if reasons:
             self.abort(info, "; ".join(reasons))

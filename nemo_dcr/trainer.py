@@ -106,7 +106,8 @@ class TrainerRefit:
         self._check_cover(maps, owned)
         self.coordinator = None
         if self.rank == 0:
-            self.coordinator = Coordinator(transport.coordinator(), state_dir, timeout_s=timeout_s)
+            self.coordinator = Coordinator(transport.coordinator(), transport.commit_log(state_dir),
+                                           timeout_s=timeout_s)
         version = bcast_json(self.coordinator.version if self.coordinator else None)
         self.baseline = Baseline(version=version, directory=baseline_dir)
         self.producer_ids = [f"p{r}" for r in range(self.world)]

@@ -123,6 +123,12 @@ class Transport(ABC):
     @abstractmethod
     def coordinator(self) -> CoordinatorEnd: ...
 
+    def commit_log(self, state_dir: str):
+        """Where the coordinator keeps commit records (default: files in state_dir)."""
+        from nemo_dcr.commit import DirectoryCommitLog
+
+        return DirectoryCommitLog(state_dir)
+
     def cleanup(self) -> None:
         """Remove whatever the transport left behind (segments, sockets, objects)."""
 
