@@ -1,0 +1,27 @@
+"""Open each transport on real parts for the shared conformance suite."""
+
+from __future__ import annotations
+
+import os
+
+from nemo_dcr import registry
+
+TRANSPORTS = ["local"]
+
+
+def open_transport(name: str, tmp_path, receivers: list[str], **config):
+    """A transport of kind `name` for `receivers`, with short timeouts."""
+    config.setdefault("timeout_s", 5)
+    if name == "local":
+        return registry.transport("local", {"dir": str(tmp_path / "shm"), **config}, receivers=receivers)
+    raise ValueError(f"no conformance set-up for transport {name!r}")
+
+
+def leftovers(t) -> list[str]:
+    """Payload data the transport still stores (must be empty after a flush / cleanup)."""
+    if t.name == "local":
+        data = os.path.join(t.dir, "data")
+        if not os.path.isdir(data):
+            return []
+        return sorted(os.path.relpath(os.path.join(d, f), data) for d, _, fs in os.walk(data) for f in fs)
+    raise ValueError(f"no conformance set-up for transport {t.name!r}")
