@@ -15,7 +15,8 @@ _FALLBACK = {
     "nemo_dcr.converters": {"llama": "nemo_dcr.converters.llama:LlamaConverter",
                             "qwen3": "nemo_dcr.converters.llama:LlamaConverter",
                             "identity": "nemo_dcr.converters.identity:IdentityConverter"},
-    "nemo_dcr.transports": {"local": "nemo_dcr.transports.local:LocalTransport"},
+    "nemo_dcr.transports": {"local": "nemo_dcr.transports.local:LocalTransport",
+                            "relay": "nemo_dcr.transports.relay:RelayTransport"},
 }
 
 
