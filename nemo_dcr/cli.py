@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -97,11 +98,35 @@ def cmd_demo(args) -> int:
     root = _repo_root()
     work = Path(args.workdir or root / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = work / "checkpoint-v0"
-    shm = Path(args.shm_dir or f"/dev/shm/nemo-dcr-{os.getpid()}")
-    transport_config = json.dumps({"dir": str(shm), "timeout_s": args.timeout})
     receivers = [f"rx{i}" for i in range(args.receivers)]
     world = args.tp * args.pp * args.dp
+    with contextlib.ExitStack() as stack:
+        config = _demo_transport_config(args, receivers, stack)
+        return _run_demo(args, root, work, receivers, world, json.dumps(config))
+
+
+def _demo_transport_config(args, receivers: list[str], stack: contextlib.ExitStack) -> dict:
+    """A transport configuration for the demo, with whatever it needs started on loopback."""
+    if args.transport == "local":
+        shm = Path(args.shm_dir or f"/dev/shm/nemo-dcr-{os.getpid()}")
+        stack.callback(shutil.rmtree, shm, ignore_errors=True)
+        return {"dir": str(shm), "timeout_s": args.timeout}
+    if args.transport == "relay":
+        nodes = [{"id": rx, "endpoint": f"tcp://127.0.0.1:{_free_port()}"} for rx in receivers]
+        return {"nodes": nodes, "coordinator": f"tcp://127.0.0.1:{_free_port()}", "timeout_s": args.timeout}
+    if args.transport == "s3":
+        if args.s3_endpoint:
+            return {"endpoint_url": args.s3_endpoint, "bucket": args.s3_bucket,
+                    "prefix": f"nemo-dcr-demo-{os.getpid()}", "timeout_s": args.timeout}
+        from tests.support.s3_server import s3_server  # an S3-compatible server on loopback
+
+        print("[demo] starting a local S3-compatible server (moto) for the s3 transport", flush=True)
+        return {**stack.enter_context(s3_server()), "timeout_s": args.timeout}
+    raise SystemExit(f"the demo has no set-up for transport {args.transport!r}; use local, relay or s3")
+
+
+def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, transport_config: str) -> int:
+    ckpt = work / "checkpoint-v0"
     print(f"[demo] work dir {work}")
     print(f"[demo] 1/3 creating a version-0 {args.family} checkpoint (BF16 safetensors)", flush=True)
     make_checkpoint(ckpt, family=args.family, layers=args.layers, hidden=args.hidden, tied=args.tied, seed=args.seed)
@@ -135,7 +160,6 @@ def cmd_demo(args) -> int:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        shutil.rmtree(shm, ignore_errors=True)
     results = work / "results.jsonl"
     steps = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     exact = bool(steps) and all(s["bit_exact"] for s in steps) and len(steps) == args.steps
@@ -182,7 +206,9 @@ def main(argv=None) -> int:
     d.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     d.add_argument("--dump", action="store_true",
                    help="after the last step, also compare full final states element by element")
-    d.add_argument("--transport", default="local")
+    d.add_argument("--transport", default="local", choices=["local", "relay", "s3"])
+    d.add_argument("--s3-endpoint", help="use this S3 endpoint instead of starting a local server")
+    d.add_argument("--s3-bucket", default="nemo-dcr")
     d.add_argument("--timeout", type=float, default=120.0, help="seconds any peer may stay silent")
     d.add_argument("--workdir")
     d.add_argument("--shm-dir")

@@ -17,18 +17,24 @@ pytestmark = pytest.mark.multirank
 REPO = Path(__file__).resolve().parents[1]
 
 
+TP2_DP2 = ["--tp", "2", "--dp", "2", "--pp", "1", "--family", "qwen3"]
+TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
+
+
 @pytest.mark.parametrize(
-    "layout",
+    "layout,transport",
     [
-        pytest.param(["--tp", "2", "--dp", "2", "--pp", "1", "--family", "qwen3"], id="tp2-dp2-distopt-qwen3"),
-        pytest.param(["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"], id="tp2-pp2-llama-tied"),
+        pytest.param(TP2_DP2, "local", id="tp2-dp2-distopt-qwen3-local"),
+        pytest.param(TP2_PP2, "local", id="tp2-pp2-llama-tied-local"),
+        pytest.param(TP2_DP2, "relay", id="tp2-dp2-distopt-qwen3-relay"),
     ],
 )
-def test_refit_is_bit_exact_after_every_step(tmp_path, layout):
+def test_refit_is_bit_exact_after_every_step(tmp_path, layout, transport):
     steps = 3
-    cmd = [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", str(steps), "--receivers", "1",
+    cmd = [sys.executable, "-m", "nemo_dcr.cli", "demo", "--steps", str(steps), "--receivers", "2",
            "--layers", "4", "--hidden", "128", "--lr", "1e-5", "--workdir", str(tmp_path / "run"),
-           "--shm-dir", str(tmp_path / "shm"), "--timeout", "180", "--dump", *layout]
+           "--shm-dir", str(tmp_path / "shm"), "--timeout", "180", "--dump", "--transport", transport,
+           *layout]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
@@ -39,5 +45,6 @@ def test_refit_is_bit_exact_after_every_step(tmp_path, layout):
         assert r["committed"] and r["bit_exact"], r
         assert 0 < r["change_rate"] < 0.5 and r["wire_bytes"] < r["dense_bytes"], r
     assert results[-1]["version"] == steps
-    assert "final state of rx0 vs dense export, element by element: identical" in out, out[-3000:]
+    for rx in ("rx0", "rx1"):
+        assert f"final state of {rx} vs dense export, element by element: identical" in out, out[-3000:]
     assert not (tmp_path / "shm").exists()  # the transport's shared memory is gone
