@@ -16,7 +16,8 @@ _FALLBACK = {
                             "qwen3": "nemo_dcr.converters.llama:LlamaConverter",
                             "identity": "nemo_dcr.converters.identity:IdentityConverter"},
     "nemo_dcr.transports": {"local": "nemo_dcr.transports.local:LocalTransport",
-                            "relay": "nemo_dcr.transports.relay:RelayTransport"},
+                            "relay": "nemo_dcr.transports.relay:RelayTransport",
+                            "s3": "nemo_dcr.transports.s3:S3Transport"},
 }
 
 

@@ -6,8 +6,9 @@ import os
 
 from nemo_dcr import registry
 from tests.support.launch import free_port
+from tests.support.s3_server import payload_objects, shared_moto
 
-TRANSPORTS = ["local", "relay"]
+TRANSPORTS = ["local", "relay", "s3"]
 
 
 def open_transport(name: str, tmp_path, receivers: list[str], **config):
@@ -19,6 +20,10 @@ def open_transport(name: str, tmp_path, receivers: list[str], **config):
         nodes = [{"id": r, "endpoint": f"tcp://127.0.0.1:{free_port()}"} for r in receivers]
         return registry.transport("relay", {"nodes": nodes, "coordinator": f"tcp://127.0.0.1:{free_port()}",
                                             **config}, receivers=receivers)
+    if name == "s3":
+        server = shared_moto()
+        return registry.transport("s3", server.config(server.new_bucket(), poll_s=0.02, **config),
+                                  receivers=receivers)
     raise ValueError(f"no conformance set-up for transport {name!r}")
 
 
@@ -31,4 +36,6 @@ def leftovers(t) -> list[str]:
         return sorted(os.path.relpath(os.path.join(d, f), data) for d, _, fs in os.walk(data) for f in fs)
     if t.name == "relay":
         return []  # payloads live only in flight, in ZeroMQ queues bounded by the windows
+    if t.name == "s3":
+        return payload_objects(t)
     raise ValueError(f"no conformance set-up for transport {t.name!r}")
