@@ -27,6 +27,7 @@ TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
         pytest.param(TP2_DP2, "local", id="tp2-dp2-distopt-qwen3-local"),
         pytest.param(TP2_PP2, "local", id="tp2-pp2-llama-tied-local"),
         pytest.param(TP2_DP2, "relay", id="tp2-dp2-distopt-qwen3-relay"),
+        pytest.param(TP2_PP2, "s3", id="tp2-pp2-llama-tied-s3"),
     ],
 )
 def test_refit_is_bit_exact_after_every_step(tmp_path, layout, transport):

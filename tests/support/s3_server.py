@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
+
+from tests.support.launch import free_port
 
 REGION = "us-east-1"
 
@@ -57,12 +58,6 @@ class Server:
     def config(self, bucket: str, **extra) -> dict:
         return {"endpoint_url": self.endpoint_url, "bucket": bucket, "region": REGION,
                 "access_key": self.access_key, "secret_key": self.secret_key, **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:
@@ -145,6 +140,13 @@ def moto_server(enforce_auth: bool = False):
             urllib.request.urlopen(urllib.request.Request(url + "/moto-api/reset-auth", data=b"0", method="POST",
                                                           headers={"Content-Type": "text/plain"}), timeout=5).close()
         yield server
+
+
+@contextlib.contextmanager
+def s3_server():
+    """A moto server with a fresh bucket; yields an S3 transport configuration."""
+    with moto_server() as server:
+        yield server.config(server.new_bucket())
 
 
 _shared: list = []
