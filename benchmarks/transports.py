@@ -56,8 +56,14 @@ def transport_config(name: str, receivers: list[str], workdir: Path):
         raise SystemExit(f"no benchmark set-up for transport {name!r}")
 
 
-def deliver(transport, receivers: list[str], payloads: int, size: int, repeats: int) -> list[float]:
-    """Seconds to deliver `payloads` x `size` bytes to every receiver, per repeat."""
+def begin(coord, info: TransferInfo) -> None:
+    """Announce a transfer as a refit does (receivers then look for its payloads)."""
+    coord.broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
+    coord.collect("ready", info.transfer_id, 120)
+
+
+def deliver(transport, coord, payloads: int, size: int, repeats: int) -> list[float]:
+    """Seconds from the first send until every receiver staged `payloads` x `size` bytes."""
     prod = transport.producer("p0")
     blob = os.urandom(size)
     times = []
@@ -65,6 +71,7 @@ def deliver(transport, receivers: list[str], payloads: int, size: int, repeats: 
         for _ in range(repeats):
             info = TransferInfo(uuid.uuid4().hex[:12], 0, 1, ("p0",))
             ids = [f"p0-{i:06d}" for i in range(payloads)]
+            begin(coord, info)
             t = time.perf_counter()
             for pid in ids:
                 prod.send(info, pid, blob)
@@ -87,10 +94,8 @@ def run_one(name: str, n: int, payloads: int, size: int, repeats: int, workdir: 
                  for rx in receivers]
         coord = transport.coordinator()
         try:
-            info = TransferInfo("warmup", 0, 1, ("p0",))
-            coord.broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
-            coord.collect("ready", info.transfer_id, 120)  # every receiver is up
-            times = deliver(transport, receivers, payloads, size, repeats)
+            begin(coord, TransferInfo("warmup", 0, 1, ("p0",)))  # every receiver is up
+            times = deliver(transport, coord, payloads, size, repeats)
         finally:
             coord.broadcast("shutdown", {})
             coord.close()

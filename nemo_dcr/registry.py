@@ -14,7 +14,8 @@ from importlib.metadata import entry_points
 _FALLBACK = {
     "nemo_dcr.converters": {"llama": "nemo_dcr.converters.llama:LlamaConverter",
                             "qwen3": "nemo_dcr.converters.llama:LlamaConverter",
-                            "identity": "nemo_dcr.converters.identity:IdentityConverter"},
+                            "identity": "nemo_dcr.converters.identity:IdentityConverter",
+                            "qwen2": "nemo_dcr.converters.qwen2:Qwen2Converter"},
     "nemo_dcr.transports": {"local": "nemo_dcr.transports.local:LocalTransport",
                             "relay": "nemo_dcr.transports.relay:RelayTransport",
                             "s3": "nemo_dcr.transports.s3:S3Transport"},
