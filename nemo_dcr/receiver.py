@@ -123,8 +123,11 @@ class Receiver:
                 if len(event.data) + cur.staged_bytes > self.max_staged_bytes:
                     raise PayloadRejected(pid, f"staging it would exceed max_staged_bytes={self.max_staged_bytes}")
                 info = cur.info
+                data = event.data
+                if getattr(data, "is_cuda", False):
+                    data = data.cpu().numpy()  # device payload (CUDA IPC); the decoder runs on the host
                 payload = codec.decode(
-                    event.data, key=self.key, catalog=self.catalog, limits=self.limits,
+                    data, key=self.key, catalog=self.catalog, limits=self.limits,
                     expected=codec.Expected(info.transfer_id, info.base_version, info.target_version),
                 )
                 if payload.header.payload_id != pid or payload.header.producer_id != producer:

@@ -7,12 +7,19 @@ blocks in `send` while the bytes not yet staged everywhere exceed
 `max_in_flight_bytes`: a slow receiver back-pressures its producers, and shared
 memory use stays bounded.
 
+CUDA tensors (1-D uint8) sent instead of bytes travel by CUDA IPC: the producer exports
+a handle to the device memory (NVLink / PCIe peer access between GPUs of the node), the
+receiver maps it and gets a device tensor; no host copy is made by the transport. The
+producer keeps the tensor alive until every receiver staged it. CUDA IPC needs separate
+processes (it cannot map memory into the process that owns it).
+
 Configuration (all optional): dir (default /dev/shm/nemo-dcr), max_in_flight_bytes
 (default 256 MiB), timeout_s (default 120).
 """
 
 from __future__ import annotations
 
+import base64
 import mmap
 import os
 import shutil
@@ -114,24 +121,30 @@ class _LocalProducer(ProducerEnd):
         self.t, self.id = t, producer_id
         self.net = _Sockets(t)
         self.acks = self.net.bind_pull(t.endpoint("prod", producer_id))
-        self.in_flight: dict[str, tuple[str, int, set[str]]] = {}  # payload -> (path, size, waiting)
+        # payload -> (segment path or device tensor, size, receivers still to stage it)
+        self.in_flight: dict[str, tuple[object, int, set[str]]] = {}
         self.in_flight_bytes = 0
         self.rejected: dict[str, dict[str, str]] = {}
 
     def send(self, transfer, payload_id, data):
-        folder = os.path.join(self.t.dir, "data", transfer.transfer_id)
-        os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"{payload_id}.ndcr")
-        while self.in_flight and self.in_flight_bytes + len(data) > self.t.max_in_flight:
+        size = len(data)
+        while self.in_flight and self.in_flight_bytes + size > self.t.max_in_flight:
             self._wait_ack(transfer)  # back-pressure: the slowest receiver sets the pace
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)  # receivers never see a half-written segment
-        self.in_flight[payload_id] = (path, len(data), set(self.t.receivers))
-        self.in_flight_bytes += len(data)
         note = {"kind": "payload", "transfer_id": transfer.transfer_id, "producer_id": self.id,
-                "payload_id": payload_id, "path": path, "size": len(data)}
+                "payload_id": payload_id, "size": size}
+        if _is_cuda(data):
+            note["cuda_ipc"] = _export_cuda(data)
+            keep = data  # the device memory must outlive every receiver's mapping
+        else:
+            folder = os.path.join(self.t.dir, "data", transfer.transfer_id)
+            os.makedirs(folder, exist_ok=True)
+            keep = note["path"] = os.path.join(folder, f"{payload_id}.ndcr")
+            tmp = keep + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, keep)  # receivers never see a half-written segment
+        self.in_flight[payload_id] = (keep, size, set(self.t.receivers))
+        self.in_flight_bytes += size
         for r in self.t.receivers:
             self.net.send(self.t.endpoint("rx", r), note, f"receiver {r}")
 
@@ -163,25 +176,19 @@ class _LocalProducer(ProducerEnd):
             entry = self.in_flight.get(msg.get("payload_id"))
             if msg.get("kind") != "staged" or entry is None:
                 continue  # stale or duplicate acknowledgement
-            path, size, waiting = entry
+            keep, size, waiting = entry
             waiting.discard(msg.get("receiver"))
             if msg.get("error"):
                 self.rejected.setdefault(msg["receiver"], {})[msg["payload_id"]] = msg["error"]
             if not waiting:
                 del self.in_flight[msg["payload_id"]]
                 self.in_flight_bytes -= size
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                _release(keep)
                 return
 
     def close(self):
-        for path, _, _ in self.in_flight.values():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        for keep, _, _ in self.in_flight.values():
+            _release(keep)
         self.in_flight.clear()
         self.acks.close()
         self.net.close()
@@ -199,6 +206,8 @@ class _LocalReceiver(ReceiverEnd):
             return None
         if msg["kind"] != "payload":
             return Event(msg["kind"], msg)
+        if "cuda_ipc" in msg:
+            return Event("payload", msg, _import_cuda(msg["cuda_ipc"]))
         try:
             with open(msg["path"], "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -257,3 +266,44 @@ class _LocalCoordinator(CoordinatorEnd):
     def close(self):
         self.inbox.close()
         self.net.close()
+
+
+def _release(keep) -> None:
+    """Drop what backs a staged payload: a shared-memory segment, or a device tensor."""
+    if isinstance(keep, str):
+        try:
+            os.unlink(keep)
+        except FileNotFoundError:
+            pass
+
+
+def _is_cuda(data) -> bool:
+    return getattr(data, "is_cuda", False)
+
+
+def _export_cuda(t) -> dict:
+    """A JSON-safe CUDA IPC handle for a 1-D uint8 device tensor (as torch.multiprocessing
+    shares CUDA tensors, without pickle)."""
+    import torch
+
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise TypeError("local transport: a device payload must be a contiguous 1-D uint8 CUDA tensor")
+    (device, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle,
+     event_sync) = t.untyped_storage()._share_cuda_()
+    b64 = lambda b: base64.b64encode(b).decode() if b else None  # noqa: E731
+    return {"device": device, "handle": b64(handle), "storage_bytes": storage_bytes,
+            "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
+            "event_handle": b64(event_handle), "event_sync": event_sync,
+            "tensor_offset": t.storage_offset(), "numel": t.numel()}
+
+
+def _import_cuda(h: dict):
+    """Map a producer's device memory (the inverse of _export_cuda)."""
+    import torch
+
+    unb64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
+    storage = torch.UntypedStorage._new_shared_cuda(
+        h["device"], unb64(h["handle"]), h["storage_bytes"], h["storage_offset"], unb64(h["ref_handle"]),
+        h["ref_offset"], unb64(h["event_handle"]), h["event_sync"])
+    t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}")
+    return t.set_(storage, h["tensor_offset"], (h["numel"],), (1,))
