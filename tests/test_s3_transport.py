@@ -478,7 +478,7 @@ def weed():
 
 
 def test_seaweedfs_refuses_an_upload_whose_checksum_does_not_match(weed, monkeypatch):
-    from nemo_dcr.transports import s3 as s3mod
+    from nemo_dcr.transports import s3_store as s3mod
 
     t = S3Transport(weed.config("dcr-weed", prefix=f"corrupt-{os.getpid()}", timeout_s=5),
                            receivers=["rx0"])

@@ -34,12 +34,9 @@ Choices, and why:
   skipped). `seq` starts at the coordinator's clock in microseconds and counts up, so one
   coordinator's messages arrive in order. A coordinator that starts deletes the control
   messages and `active/` markers a previous one left (those transfers will never finish).
-- Integrity: every object is written with its SHA-256 as the S3 checksum (checked by the
-  server; per part for multipart uploads) and as user metadata `sha256` of the whole object.
-  Reads ask for the server's checksum (`ChecksumMode=ENABLED`, checked by botocore) and always
-  check length and `sha256` themselves (botocore skips composite multipart checksums). A
-  mismatch in three reads is a TransportError naming the object; for a payload the receiver
-  rejects it with that reason. The codec's BLAKE2b/HMAC still protect end to end.
+- Integrity: every object carries its SHA-256, checked by the server on writes and by the
+  reader on every read (see `s3_store`). A payload that fails its check in three reads is
+  rejected by the receiver with that reason. The codec's BLAKE2b/HMAC still protect end to end.
 - Back-pressure: `send` uploads in the background (`upload_concurrency` at a time) and blocks
   while the payloads not yet staged by every receiver would exceed `max_in_flight_bytes`.
   Receivers fetch at most `prefetch` payloads ahead and write acks `ack_concurrency` at a
@@ -61,17 +58,14 @@ Configuration: bucket (required), endpoint_url (default: AWS), region, prefix ("
 timeout_s (120), poll_s (0.05), max_in_flight_bytes (256 MiB), part_size (64 MiB),
 multipart_threshold (= part_size), upload_concurrency (4), prefetch (4), ack_concurrency
 (8), max_attempts (3, botocore's), addressing_style ("path" with an endpoint_url, else
-"auto"), keep_payloads (False). Credentials: the standard AWS chain (environment, files,
-instance roles, `profile`) or access_key / secret_key / session_token; never logged.
+"auto"), keep_payloads (False). Credentials: the standard AWS chain (`profile`) or
+access_key / secret_key / session_token (see `s3_store`); never logged.
 Cost: an idle receiver sends one LIST per `poll_s` (two before its first begin).
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -87,15 +81,8 @@ from nemo_dcr.transport import (
     TransferInfo,
     Transport,
     dumps,
-    loads,
 )
-
-try:
-    import boto3
-    from botocore import exceptions as bex
-    from botocore.config import Config
-except ImportError as e:  # pragma: no cover - depends on the installation
-    raise ImportError("the s3 transport needs boto3: pip install 'nemo-dcr[s3]'") from e
+from nemo_dcr.transports.s3_store import Conflict, Exists, Missing, ObjectStore, S3Bucket
 
 MiB = 1 << 20
 DEFAULTS = {
@@ -105,19 +92,12 @@ DEFAULTS = {
     "keep_payloads": False,
 }
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_READS = 3  # reads of an object before a checksum mismatch is final
-_SESSIONS: dict = {}
-_SESSION_LOCK = threading.Lock()
 
 
 def _id(value, what: str) -> str:
     if not isinstance(value, str) or not _ID.match(value):
         raise ValueError(f"s3 transport: {what} {value!r} must match {_ID.pattern}")
     return value
-
-
-def _sha256(data) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 class S3Transport(Transport):
@@ -145,9 +125,11 @@ class S3Transport(Transport):
             raise ValueError(f"s3 transport: part_size must be at least 5 MiB (S3's minimum), got {self.part_size}")
         for r in self.receivers:
             _id(r, "receiver id")
-        self.where = f"endpoint {c['endpoint_url'] or 'AWS S3 (' + str(c['region'] or 'default region') + ')'}, " \
-                     f"bucket {self.bucket}"
-        self._bucket_ok = False
+        # The bucket and how to reach it; every end opens its own ObjectStore (one client) on it.
+        self.s3 = S3Bucket(c, timeout_s=self.timeout_s, part_size=self.part_size,
+                           multipart_threshold=self.multipart_threshold, upload_concurrency=self.upload_concurrency,
+                           pool_connections=max(10, self.upload_concurrency + self.prefetch + self.ack_concurrency))
+        self.where = self.s3.where
 
     def __repr__(self):  # never shows credentials
         return f"S3Transport({self.where}, prefix {self.prefix!r}, receivers {self.receivers})"
@@ -156,45 +138,12 @@ class S3Transport(Transport):
         return "/".join((self.prefix, *parts))
 
     def client(self, max_attempts: int | None = None):
-        c = self.config
-        with _SESSION_LOCK:  # one session per profile: clients share its loaded models (fast to make)
-            session = _SESSIONS.get(c.get("profile"))
-            if session is None:
-                session = _SESSIONS[c.get("profile")] = boto3.session.Session(profile_name=c.get("profile"))
-        region = c["region"] or session.region_name or ("us-east-1" if c["endpoint_url"] else None)
-        style = c["addressing_style"] or ("path" if c["endpoint_url"] else "auto")
-        # Connecting never takes a large share of timeout_s: an unreachable endpoint fails in time.
-        cfg = Config(connect_timeout=min(max(self.timeout_s / 4, 1.0), 10.0), read_timeout=self.timeout_s,
-                     retries={"mode": "standard", "max_attempts": int(max_attempts or c["max_attempts"])},
-                     max_pool_connections=max(10, self.upload_concurrency + self.prefetch + self.ack_concurrency),
-                     s3={"addressing_style": style})
-        with _SESSION_LOCK:  # sessions are not thread-safe
-            return session.client("s3", endpoint_url=c["endpoint_url"] or None, region_name=region, config=cfg,
-                                  aws_access_key_id=c.get("access_key"), aws_secret_access_key=c.get("secret_key"),
-                                  aws_session_token=c.get("session_token"))
+        """A new boto3 S3 client for the bucket (the caller closes it)."""
+        return self.s3.client(max_attempts)
 
     def check_bucket(self) -> None:
         """Fail with a clear error, within timeout_s, if the bucket cannot be used."""
-        if self._bucket_ok:
-            return
-        s3 = self.client(max_attempts=1)
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            while True:
-                try:
-                    s3.head_bucket(Bucket=self.bucket)
-                    self._bucket_ok = True
-                    return
-                except (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ReadTimeoutError,
-                        bex.ConnectionClosedError) as e:
-                    if time.monotonic() + 0.2 >= deadline:
-                        raise TransportError(f"s3 transport ({self.where}): cannot reach the endpoint "
-                                             f"within {self.timeout_s:g} s: {e}") from None
-                    time.sleep(0.2)
-                except (bex.ClientError, bex.BotoCoreError) as e:
-                    raise _error(self, e, "checking the bucket") from None
-        finally:
-            s3.close()
+        self.s3.check()
 
     def producer(self, producer_id):
         return _S3Producer(self, _id(producer_id, "producer id"))
@@ -213,191 +162,12 @@ class S3Transport(Transport):
         return S3CommitLog(self)
 
     def cleanup(self) -> None:
-        store = _Store(self)
+        store = ObjectStore(self.s3)
         try:
             store.abort_uploads(self.prefix + "/")
             store.delete_prefix(self.prefix + "/")
         finally:
             store.close()
-
-
-def _error(t: S3Transport, e: Exception, doing: str) -> TransportError:
-    if isinstance(e, bex.ClientError):
-        err = e.response.get("Error", {})
-        code = str(err.get("Code", "?"))
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code == "NoSuchBucket" or (status == 404 and doing == "checking the bucket"):
-            why = "the bucket does not exist"
-        elif status == 403 or code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
-                                       "ExpiredToken", "InvalidToken"):
-            why = f"access denied ({code}): check the credentials and the bucket's policy"
-        elif status == 301 or code in ("PermanentRedirect", "AuthorizationHeaderMalformed"):
-            why = f"wrong region ({code}): set 'region' to the bucket's region"
-        else:
-            why = f"{code} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
-    elif isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError)):
-        why = "no usable AWS credentials (set the standard AWS variables or files, or access_key/secret_key)"
-    elif isinstance(e, (bex.EndpointConnectionError, bex.ConnectTimeoutError, bex.ConnectionClosedError)):
-        why = f"cannot reach the endpoint: {e}"
-    elif isinstance(e, bex.ReadTimeoutError):
-        why = f"the endpoint did not answer within {t.timeout_s:g} s"
-    else:
-        why = f"{type(e).__name__}: {e}"
-    return TransportError(f"s3 transport ({t.where}): {doing}: {why}")
-
-
-class _Missing(Exception):
-    """The object does not exist (any more)."""
-
-
-class _Exists(Exception):
-    """A conditional create found the object already there (HTTP 412)."""
-
-
-class _Conflict(Exception):
-    """A concurrent conditional write is in progress (HTTP 409): try again."""
-
-
-class _Store:
-    """One S3 client and the object operations every end needs, with checksums and errors."""
-
-    def __init__(self, t: S3Transport):
-        t.check_bucket()
-        self.t, self.bucket = t, t.bucket
-        self.s3 = t.client()
-
-    def put(self, key: str, data: bytes, *, if_none_match: bool = False) -> None:
-        digest = _sha256(data)
-        meta = {"sha256": digest.hex()}
-        try:
-            if len(data) >= self.t.multipart_threshold and not if_none_match:
-                return self._put_parts(key, data, meta)
-            extra = {"IfNoneMatch": "*"} if if_none_match else {}
-            self.s3.put_object(Bucket=self.bucket, Key=key, Body=data, Metadata=meta, ChecksumAlgorithm="SHA256",
-                               ChecksumSHA256=base64.b64encode(digest).decode(), **extra)
-        except bex.ClientError as e:
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if if_none_match and status == 412:
-                raise _Exists(key) from None
-            if if_none_match and status == 409:
-                raise _Conflict(key) from None
-            raise _error(self.t, e, f"writing {key}") from None
-        except bex.BotoCoreError as e:
-            raise _error(self.t, e, f"writing {key}") from None
-
-    def _put_parts(self, key: str, data: bytes, meta: dict) -> None:
-        size = self.t.part_size
-        up = self.s3.create_multipart_upload(Bucket=self.bucket, Key=key, Metadata=meta, ChecksumAlgorithm="SHA256")
-        uid = up["UploadId"]
-
-        def part(n: int) -> dict:
-            chunk = data[n * size:(n + 1) * size]
-            checksum = base64.b64encode(_sha256(chunk)).decode()
-            r = self.s3.upload_part(Bucket=self.bucket, Key=key, UploadId=uid, PartNumber=n + 1, Body=chunk,
-                                    ChecksumAlgorithm="SHA256", ChecksumSHA256=checksum)
-            return {"PartNumber": n + 1, "ETag": r["ETag"], "ChecksumSHA256": checksum}
-
-        count = -(-len(data) // size)
-        try:
-            with ThreadPoolExecutor(min(count, self.t.upload_concurrency)) as pool:
-                parts = list(pool.map(part, range(count)))
-            self.s3.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=uid,
-                                              MultipartUpload={"Parts": parts})
-        except BaseException:
-            try:
-                self.s3.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=uid)
-            except (bex.ClientError, bex.BotoCoreError):
-                pass  # cleanup() aborts what is left
-            raise
-
-    def get(self, key: str) -> bytes:
-        problem = ""
-        for _ in range(_READS):
-            try:
-                r = self.s3.get_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
-                body = r["Body"].read()
-            except bex.FlexibleChecksumError as e:
-                problem = f"S3 checksum mismatch ({e})"
-                continue
-            except bex.ClientError as e:
-                if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                    raise _Missing(key) from None
-                raise _error(self.t, e, f"reading {key}") from None
-            except bex.BotoCoreError as e:
-                raise _error(self.t, e, f"reading {key}") from None
-            want = r.get("Metadata", {}).get("sha256")
-            if want is None:
-                raise TransportError(f"s3 transport ({self.t.where}): object {key} carries no sha256 checksum")
-            if len(body) != r.get("ContentLength", len(body)) or _sha256(body).hex() != want:
-                problem = f"content ({len(body)} bytes) does not match its SHA-256 checksum"
-                continue
-            return body
-        raise TransportError(f"s3 transport ({self.t.where}): object {key} failed its checksum "
-                             f"in {_READS} reads: {problem}")
-
-    def get_json(self, key: str) -> dict | None:
-        """A small control object, or None when it is gone or is not a message of ours
-        (a peer waiting for it then times out naming its sender)."""
-        try:
-            return loads(self.get(key))
-        except (_Missing, TransportError):
-            return None
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.s3.head_object(Bucket=self.bucket, Key=key)
-            return True
-        except bex.ClientError as e:
-            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return False
-            raise _error(self.t, e, f"reading {key}") from None
-        except bex.BotoCoreError as e:
-            raise _error(self.t, e, f"reading {key}") from None
-
-    def list(self, prefix: str) -> list[tuple[str, int]]:
-        out, kw = [], {}
-        try:
-            while True:
-                r = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=prefix, **kw)
-                out += [(o["Key"], int(o["Size"])) for o in r.get("Contents", ())]
-                if not r.get("IsTruncated"):
-                    return out
-                kw = {"ContinuationToken": r["NextContinuationToken"]}
-        except (bex.ClientError, bex.BotoCoreError) as e:
-            raise _error(self.t, e, f"listing {prefix}") from None
-
-    def delete(self, keys) -> None:
-        keys = list(keys)
-        try:
-            for i in range(0, len(keys), 1000):
-                r = self.s3.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-                if r.get("Errors"):
-                    err = r["Errors"][0]
-                    raise TransportError(f"s3 transport ({self.t.where}): deleting {err.get('Key')}: "
-                                         f"{err.get('Code')}: {err.get('Message', '')} "
-                                         f"(and {len(r['Errors']) - 1} more)")
-        except (bex.ClientError, bex.BotoCoreError) as e:
-            raise _error(self.t, e, f"deleting {len(keys)} object(s)") from None
-
-    def delete_prefix(self, prefix: str, keep=lambda key: False) -> None:
-        self.delete(k for k, _ in self.list(prefix) if not keep(k))
-
-    def abort_uploads(self, prefix: str) -> None:
-        kw: dict = {}
-        try:
-            while True:
-                r = self.s3.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix, **kw)
-                for u in r.get("Uploads", ()):
-                    self.s3.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
-                if not r.get("IsTruncated"):
-                    return
-                kw = {"KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
-        except (bex.ClientError, bex.BotoCoreError) as e:
-            raise _error(self.t, e, f"aborting multipart uploads under {prefix}") from None
-
-    def close(self) -> None:
-        self.s3.close()
 
 
 # --- producer --------------------------------------------------------------------------
@@ -414,7 +184,7 @@ class _Sent:
 class _S3Producer(ProducerEnd):
     def __init__(self, t: S3Transport, producer_id: str):
         self.t, self.id = t, producer_id
-        self.store = _Store(t)
+        self.store = ObjectStore(t.s3)
         self.pool = ThreadPoolExecutor(t.upload_concurrency, thread_name_prefix=f"s3-{producer_id}")
         self.tid: str | None = None
         self.in_flight: dict[str, _Sent] = {}
@@ -515,11 +285,7 @@ class _S3Producer(ProducerEnd):
                 keys.append(s.key)
         self.in_flight.clear()
         self.in_flight_bytes = 0
-        if keys:
-            try:
-                self.store.delete(keys)
-            except TransportError:
-                pass  # cleanup() or the coordinator's abort removes them
+        self.store.discard(keys)  # else cleanup() or the coordinator's abort removes them
 
     def close(self):
         try:
@@ -551,7 +317,7 @@ class _Fetch:
 class _S3Receiver(ReceiverEnd):
     def __init__(self, t: S3Transport, receiver_id: str):
         self.t, self.id = t, receiver_id
-        self.store = _Store(t)
+        self.store = ObjectStore(t.s3)
         self.inbox = t.key("control", receiver_id) + "/"
         self.consumed: set[str] = set()  # control keys handled, possibly not yet gone from listings
         self.items: deque = deque()  # Event | _Fetch, in delivery order
@@ -601,11 +367,7 @@ class _S3Receiver(ReceiverEnd):
             if msg is not None:
                 self._track(msg)
                 self.items.append(Event(msg["kind"], msg))
-        if new:
-            try:
-                self.store.delete(new)
-            except TransportError:
-                pass  # `consumed` keeps them from being handled twice
+        self.store.discard(new)  # if that fails, `consumed` keeps them from being handled twice
         if not self.begun:  # no coordinator has spoken: find transfers by their producers' markers
             base = self.t.key("active") + "/"
             active = {k[len(base):] for k, _ in self.store.list(base)}
@@ -674,7 +436,7 @@ class _S3Receiver(ReceiverEnd):
             return item
         try:
             data = item.future.result() if item.future is not None else self.store.get(item.meta["key"])
-        except _Missing:
+        except Missing:
             return None  # deleted after listing: its transfer was aborted or cleaned up
         except TransportError as e:  # checksum failure: the receiver rejects it, naming the object
             return Event("payload", {**item.meta, "error": str(e)}, None)
@@ -716,10 +478,7 @@ class _S3Receiver(ReceiverEnd):
             self.items.clear()
             self.fetcher.shutdown(wait=True)
             self.acker.shutdown(wait=True)
-            try:
-                self.store.delete([self.presence])
-            except TransportError:
-                pass
+            self.store.discard([self.presence])
             self.store.close()
 
 
@@ -728,7 +487,7 @@ class _S3Receiver(ReceiverEnd):
 class _S3Coordinator(CoordinatorEnd):
     def __init__(self, t: S3Transport):
         self.t = t
-        self.store = _Store(t)
+        self.store = ObjectStore(t.s3)
         self.pool = ThreadPoolExecutor(min(16, len(t.receivers)), thread_name_prefix="s3-coord")
         stale = self.store.list(t.key("control") + "/")
         last = max((int(m.group(1)) for k, _ in stale if (m := re.search(r"/(\d{20})\.json$", k))), default=-1)
@@ -775,10 +534,7 @@ class _S3Coordinator(CoordinatorEnd):
                 raise TransportError(f"s3 transport ({self.t.where}): receivers {missing} sent no '{kind}' "
                                      f"for transfer {transfer_id} within {timeout_s:g} s")
             time.sleep(min(self.t.poll_s, max(deadline - time.monotonic(), 0)))
-        try:
-            self.store.delete(keys)
-        except TransportError:
-            pass
+        self.store.discard(keys)
         return replies
 
     def close(self):
@@ -792,7 +548,7 @@ class S3CommitLog(CommitLog):
     _NAME = re.compile(r"/v(\d{8,})\.json$")
 
     def __init__(self, t: S3Transport):
-        self.t, self.store = t, _Store(t)
+        self.t, self.store = t, ObjectStore(t.s3)
         self.base = t.key("commits") + "/"
 
     def latest(self) -> int:
@@ -808,9 +564,9 @@ class S3CommitLog(CommitLog):
         while True:
             try:
                 return self.store.put(key, self.record(info, extra), if_none_match=True)
-            except _Exists:
+            except Exists:
                 raise AlreadyCommitted(where) from None
-            except _Conflict:  # another conditional write of this key is in progress: its outcome decides
+            except Conflict:  # another conditional write of this key is in progress: its outcome decides
                 if time.monotonic() >= deadline:
                     raise TransportError(f"s3 transport ({self.t.where}): commit record {key} stayed in "
                                          f"conflict for {self.t.timeout_s:g} s") from None
