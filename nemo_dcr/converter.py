@@ -291,7 +291,76 @@ def merge_runs(per_rank: list[dict]) -> dict:
     return merged
 
 
+def _union(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Disjoint, sorted [start, stop) intervals covering the same elements."""
+    keep = stops > starts
+    starts, stops = starts[keep], stops[keep]
+    if starts.size == 0:
+        return starts, stops
+    order = np.argsort(starts, kind="stable")
+    starts, reach = starts[order], np.maximum.accumulate(stops[order])
+    new = np.flatnonzero(np.r_[True, starts[1:] > reach[:-1]])
+    return starts[new], reach[np.r_[new[1:] - 1, starts.size - 1]]
+
+
+def owned_intervals(maps: dict[str, AffineMap], owned: list[OwnedRange]) -> dict[str, list[list[int]]]:
+    """The canonical elements this rank's owned ranges place: name -> [starts, stops]
+    of disjoint intervals. Plain ints, so ranks can gather them as JSON."""
+    out = {}
+    for name, parts in coverage_runs(maps, owned, "").items():
+        starts = np.concatenate([s for s, _, _ in parts])
+        lo, hi = _union(starts, starts + np.concatenate([n for _, n, _ in parts]))
+        out[name] = [lo.tolist(), hi.tolist()]
+    return out
+
+
+@dataclass(frozen=True)
+class CoverageReport:
+    """How the canonical checkpoint's bytes reach receivers, over all trainer ranks."""
+
+    total_bytes: int
+    affine_bytes: int  # placed by some rank's owned affine pieces (each element counted once)
+    residual_bytes: int = 0  # recomputed by residual rules: no converter declares any yet
+    unplaced: tuple[tuple[str, int], ...] = ()  # (canonical name, bytes no rank places)
+
+    @property
+    def unplaced_bytes(self) -> int:
+        return self.total_bytes - self.affine_bytes - self.residual_bytes
+
+    def __str__(self) -> str:
+        pct = lambda n: 100.0 * n / max(self.total_bytes, 1)  # noqa: E731
+        text = (f"placement: {pct(self.affine_bytes):.1f}% of canonical bytes affine, "
+                f"{pct(self.residual_bytes):.1f}% residual")
+        if self.unplaced_bytes:
+            names = ", ".join(n for n, _ in self.unplaced[:3]) + (", ..." if len(self.unplaced) > 3 else "")
+            text += f", {self.unplaced_bytes} bytes ({pct(self.unplaced_bytes):.2g}%) unplaced: {names}"
+        return text
+
+
+def coverage_report(specs: dict[str, Spec], per_rank: list[dict[str, list[list[int]]]]) -> CoverageReport:
+    """Fraction of the canonical bytes that the ranks' owned maps place (`per_rank`: every
+    rank's `owned_intervals`). An element claimed by two ranks counts once, intervals
+    past a tensor's end or into tensors outside `specs` count not at all: whatever no
+    piece reaches is reported as unplaced, never assumed covered."""
+    total = affine = 0
+    unplaced = []
+    for name, (dtype, shape) in specs.items():
+        numel, itemsize = _numel(shape), dtypes.from_name(dtype).itemsize
+        parts = [r[name] for r in per_rank if name in r]
+        covered = 0
+        if parts:
+            starts = np.clip(np.concatenate([np.asarray(p[0], np.int64) for p in parts]), 0, numel)
+            stops = np.clip(np.concatenate([np.asarray(p[1], np.int64) for p in parts]), 0, numel)
+            lo, hi = _union(starts, stops)
+            covered = int((hi - lo).sum())
+        total, affine = total + numel * itemsize, affine + covered * itemsize
+        if covered < numel:
+            unplaced.append((name, (numel - covered) * itemsize))
+    return CoverageReport(total, affine, 0, tuple(unplaced))
+
+
 __all__ = [
     "Converter", "TableConverter", "Rule", "Dims", "Mapping", "Replicated", "ColumnParallel", "RowParallel",
     "VocabParallel", "FusedQKV", "GatedColumn", "Tied", "coverage_runs", "merge_runs", "check_exact_cover",
+    "owned_intervals", "coverage_report", "CoverageReport",
 ]

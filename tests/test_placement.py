@@ -2,7 +2,7 @@
 
 For random small model shapes and TP/PP/DP layouts we make random Megatron-local
 shards, reassemble the canonical tensors with plain numpy (concatenate TP shards,
-de-interleave QKV, split gate/up, drop vocab padding), and require that placing
+de-interleave QKV weights and biases, split gate/up, drop vocab padding), and require that placing
 every owned element through the converter's affine maps writes exactly those
 canonical tensors, each element exactly once.
 """
@@ -17,14 +17,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr.converter import check_exact_cover, coverage_runs, merge_runs
+from nemo_dcr import registry
+from nemo_dcr.converter import check_exact_cover, coverage_report, coverage_runs, merge_runs, owned_intervals
 from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import LocalParam, OwnedRange, ParallelLayout
 from nemo_dcr.placement import merge_placed
 from nemo_dcr.converters.llama import LlamaConverter
+from nemo_dcr.converters.qwen2 import Qwen2Converter
 
 
-def hf_config(tp, groups_per_tp, q_per_group, head_dim, hidden, ffn_per_tp, vocab, layers, tied, qk_norm):
+def hf_config(tp, groups_per_tp, q_per_group, head_dim, hidden, ffn_per_tp, vocab, layers, tied, qk_norm,
+              qkv_bias=False):
     return SimpleNamespace(
         num_attention_heads=groups_per_tp * tp * q_per_group,
         num_key_value_heads=groups_per_tp * tp,
@@ -35,6 +38,7 @@ def hf_config(tp, groups_per_tp, q_per_group, head_dim, hidden, ffn_per_tp, voca
         num_hidden_layers=layers,
         tie_word_embeddings=tied,
         qk_norm=qk_norm,
+        qkv_bias=qkv_bias,
     )
 
 
@@ -58,6 +62,10 @@ def canonical_specs(c):
         }
         if c.qk_norm:
             specs |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if c.qkv_bias:
+            specs |= {p + "self_attn.q_proj.bias": (c.num_attention_heads * d,),
+                      p + "self_attn.k_proj.bias": (c.num_key_value_heads * d,),
+                      p + "self_attn.v_proj.bias": (c.num_key_value_heads * d,)}
     return {k: ("BF16", v) for k, v in specs.items()}
 
 
@@ -81,6 +89,8 @@ def local_shapes(c, tp, pp, pp_rank, padded_vocab):
         }
         if c.qk_norm:
             out |= {p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,)}
+        if c.qkv_bias:
+            out[p + "self_attention.linear_qkv.bias"] = ((heads + 2 * groups) * d // tp,)
     if pp_rank == pp - 1:
         out["decoder.final_layernorm.weight"] = (h,)
         if not c.tie_word_embeddings or pp > 1:  # tied + PP>1: last stage keeps a copy
@@ -100,10 +110,12 @@ def reassemble(c, shards, tp, padded_vocab):
         out["lm_head.weight"] = cat0("output_layer.weight")[: c.vocab_size]
     for L in range(c.num_hidden_layers):
         m, p = f"decoder.layers.{L}.", f"model.layers.{L}."
-        qkv = cat0(m + "self_attention.linear_qkv.weight").reshape(groups, qpg + 2, d, -1)
-        out[p + "self_attn.q_proj.weight"] = qkv[:, :qpg].reshape(heads * d, -1)
-        out[p + "self_attn.k_proj.weight"] = qkv[:, qpg].reshape(groups * d, -1)
-        out[p + "self_attn.v_proj.weight"] = qkv[:, qpg + 1].reshape(groups * d, -1)
+        for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            fused = cat0(m + "self_attention.linear_qkv." + kind)  # a bias is [rows], a weight [rows, h]
+            qkv, cols = fused.reshape(groups, qpg + 2, d, *fused.shape[1:]), fused.shape[1:]
+            out[p + "self_attn.q_proj." + kind] = qkv[:, :qpg].reshape(heads * d, *cols)
+            out[p + "self_attn.k_proj." + kind] = qkv[:, qpg].reshape(groups * d, *cols)
+            out[p + "self_attn.v_proj." + kind] = qkv[:, qpg + 1].reshape(groups * d, *cols)
         out[p + "self_attn.o_proj.weight"] = cat1(m + "self_attention.linear_proj.weight")
         fc1 = [np.split(shards[t][m + "mlp.linear_fc1.weight"], 2) for t in range(tp)]
         out[p + "mlp.gate_proj.weight"] = np.concatenate([g for g, _ in fc1])
@@ -148,6 +160,7 @@ layouts = st.fixed_dictionaries({
     "vocab": st.integers(5, 40),
     "tied": st.booleans(),
     "qk_norm": st.booleans(),
+    "qkv_bias": st.booleans(),
     "seed": st.integers(0, 2**31),
 })
 
@@ -157,15 +170,16 @@ layouts = st.fixed_dictionaries({
 def test_affine_maps_equal_gather_and_reassemble(lay):
     tp, pp, dp = lay["tp"], lay["pp"], lay["dp"]
     c = hf_config(tp, lay["groups_per_tp"], lay["q_per_group"], lay["head_dim"], lay["hidden"],
-                  lay["ffn_per_tp"], lay["vocab"], 2 * pp, lay["tied"], lay["qk_norm"])
+                  lay["ffn_per_tp"], lay["vocab"], 2 * pp, lay["tied"], lay["qk_norm"], lay["qkv_bias"])
     rng = np.random.default_rng(lay["seed"])
     padded = -(-c.vocab_size // (4 * tp)) * 4 * tp
     specs = canonical_specs(c)
-    conv = LlamaConverter(c)
+    # Qwen2 = Llama table + q/k/v biases - QK-norm; the Llama table also maps biases.
+    conv = Qwen2Converter(c) if lay["qkv_bias"] and not lay["qk_norm"] else LlamaConverter(c)
     placed = {n: np.zeros(int(np.prod(s)), np.uint16) for n, (_, s) in specs.items()}
     hits = {n: np.zeros(int(np.prod(s)), np.int64) for n, (_, s) in specs.items()}
     shards = {t: {} for t in range(tp)}
-    per_rank_runs = []
+    per_rank_runs, per_rank_intervals = [], []
     for pp_rank in range(pp):
         shapes = local_shapes(c, tp, pp, pp_rank, padded)
         for t in range(tp):
@@ -177,6 +191,7 @@ def test_affine_maps_equal_gather_and_reassemble(lay):
             for r, ranges in dp_ranges(shapes, dp, rng).items():
                 owned = [OwnedRange(LocalParam(n, shapes[n], torch.bfloat16), lo, hi, None) for n, lo, hi in ranges]
                 per_rank_runs.append(coverage_runs(maps, owned, f"tp{t}/pp{pp_rank}/dp{r}"))
+                per_rank_intervals.append(owned_intervals(maps, owned))
                 for o in owned:
                     local_pos = np.arange(o.start, o.stop, dtype=np.int64)
                     values = bits[o.param.name].reshape(-1)[o.start:o.stop]
@@ -189,6 +204,9 @@ def test_affine_maps_equal_gather_and_reassemble(lay):
         assert np.array_equal(hits[name], np.ones_like(hits[name])), f"{name}: not placed exactly once"
         assert np.array_equal(placed[name], want.reshape(-1)), f"{name}: wrong bits"
     check_exact_cover(merge_runs(per_rank_runs), {n: int(np.prod(s)) for n, (_, s) in specs.items()})
+    report = coverage_report(specs, per_rank_intervals)
+    assert report.affine_bytes == report.total_bytes == 2 * sum(h.size for h in hits.values())
+    assert report.unplaced_bytes == report.residual_bytes == 0 and not report.unplaced
 
 
 def small_case(tied=False):
@@ -234,3 +252,38 @@ def test_missing_and_double_ownership_are_named():
         check_exact_cover(merge_runs(runs[:1]), numels)
     with pytest.raises(ConverterError, match="owned twice"):
         check_exact_cover(merge_runs([runs[0], runs[0], runs[1]]), numels)
+
+
+def test_qwen2_table_has_no_qk_norm_and_is_registered():
+    c = hf_config(2, 1, 2, 4, 8, 3, 30, 2, False, False, qkv_bias=True)
+    assert isinstance(registry.converter("qwen2", c), Qwen2Converter)
+    shapes = local_shapes(c, 2, 1, 0, 32)
+    shapes["decoder.layers.0.self_attention.q_layernorm.weight"] = (4,)
+    params = [LocalParam(n, s, torch.bfloat16) for n, s in shapes.items()]
+    with pytest.raises(ConverterError, match="q_layernorm.*not mapped by the qwen2 converter"):
+        Qwen2Converter(c).plan(params, ParallelLayout(tp_size=2), canonical_specs(c))
+
+
+def test_coverage_report_counts_each_canonical_byte_once():
+    c, specs, shapes = small_case()
+    conv = LlamaConverter(c)
+    total = 2 * sum(int(np.prod(s)) for _, s in specs.values())  # bf16
+    per_rank = []
+    for t in range(2):
+        params = [LocalParam(n, s, torch.bfloat16) for n, s in shapes.items()]
+        maps = conv.plan(params, ParallelLayout(tp_size=2, tp_rank=t), specs)
+        per_rank.append(owned_intervals(maps, [OwnedRange(p, 0, p.numel, None) for p in params]))
+    full = coverage_report(specs, per_rank)
+    assert (full.total_bytes, full.affine_bytes, full.residual_bytes, full.unplaced) == (total, total, 0, ())
+    assert str(full) == "placement: 100.0% of canonical bytes affine, 0.0% residual"
+    # Claimed twice: still counted once.
+    assert coverage_report(specs, per_rank + per_rank[:1]).affine_bytes == total
+    # TP rank 1 missing: its half of every split tensor is reported as unplaced, by name.
+    half = coverage_report(specs, per_rank[:1])
+    assert half.affine_bytes + half.unplaced_bytes == total and half.affine_bytes > total // 2
+    assert dict(half.unplaced)["lm_head.weight"] == 2 * (30 - 16) * 8  # vocab rows 16..29 sit on TP rank 1
+    assert "model.norm.weight" not in dict(half.unplaced)  # replicated: TP rank 0 owns it
+    assert "unplaced: " in str(half)
+    # Intervals past a tensor's end or into unknown tensors count for nothing.
+    bogus = {"model.norm.weight": [[0], [10**6]], "not.in.checkpoint": [[0], [99]]}
+    assert coverage_report(specs, [bogus]).affine_bytes == 2 * 8

@@ -49,6 +49,10 @@ def tiny_config(kind: str, layers: int):
         from transformers import Qwen3Config
 
         return Qwen3Config(tie_word_embeddings=False, **common)
+    if kind == "qwen2":  # q/k/v biases, no QK-norm
+        from transformers import Qwen2Config
+
+        return Qwen2Config(tie_word_embeddings=False, **common)
     if kind == "llama-tied":
         from transformers import LlamaConfig
 
@@ -59,7 +63,8 @@ def tiny_config(kind: str, layers: int):
 def hf_model(hf_config):
     import transformers
 
-    cls = {"qwen3": transformers.Qwen3ForCausalLM, "llama": transformers.LlamaForCausalLM}
+    cls = {"qwen3": transformers.Qwen3ForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "llama": transformers.LlamaForCausalLM}
     return cls[hf_config.model_type](hf_config).to(torch.bfloat16)
 
 

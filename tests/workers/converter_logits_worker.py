@@ -47,7 +47,12 @@ def main() -> None:
     hf_config = tiny_config(args.model, args.layers)
     if dist.get_rank() == 0:
         torch.manual_seed(3)
-        hf_model(hf_config).save_pretrained(args.checkpoint)
+        ref = hf_model(hf_config)
+        with torch.no_grad():  # HF initialises biases to 0, where a misplaced one goes unseen
+            for name, p in ref.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
+        ref.save_pretrained(args.checkpoint)
     dist.barrier()
 
     model, _ = H.build_trained_model(hf_config, args.tp, args.pp, lr=1e-3, seed=99)  # weights overwritten below

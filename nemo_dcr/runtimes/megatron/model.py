@@ -1,4 +1,4 @@
-"""Build a megatron-core ``GPTModel`` that matches a Hugging Face Llama / Qwen3 config.
+"""Build a megatron-core ``GPTModel`` that matches a Hugging Face Llama / Qwen2 / Qwen3 config.
 
 The model uses megatron-core's *local* (non-Transformer-Engine) layer spec
 (``get_gpt_layer_local_spec``), so it runs wherever torch runs:
@@ -15,6 +15,7 @@ intermediate_size      ffn_hidden_size; gated_linear_unit=True, activation=silu
 rms_norm_eps           layernorm_epsilon, normalization="RMSNorm"
 model_type == qwen3    qk_layernorm=True (q_norm / k_norm over head_dim)
 attention_bias         add_qkv_bias (Qwen2-style q/k/v bias); no other biases
+model_type == qwen2    add_qkv_bias=True (Qwen2 always biases q/k/v, not o_proj)
 rope_theta             rotary_base; rope, non-interleaved (HF ``rotate_half``)
 tie_word_embeddings    share_embeddings_and_output_weights
 vocab_size             padded_vocab_size(vocab, tp, make_vocab_size_divisible_by)
@@ -99,7 +100,7 @@ def transformer_config_from_hf(
     sequence_parallel: bool = False,
     **overrides: Any,
 ):
-    """A ``TransformerConfig`` for ``hf_config`` (Llama / Qwen3) at TP ``tp`` × PP ``pp``.
+    """A ``TransformerConfig`` for ``hf_config`` (Llama / Qwen2 / Qwen3) at TP ``tp`` × PP ``pp``.
 
     Dropout is taken from the HF config (attention_dropout; no hidden dropout in
     Llama / Qwen3). All CUDA-only fusions are off so the config also runs on CPU;
@@ -117,11 +118,14 @@ def transformer_config_from_hf(
         raise Unsupported(f"hidden_act {act!r}: only SwiGLU (silu) is supported")
     if _rope_type_of(hf_config) != "default":
         raise Unsupported(f"rope type {_rope_type_of(hf_config)!r} is not supported")
-    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    # Qwen2's config has no attention_bias flag: its q/k/v projections always carry one.
+    attention_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
     if attention_bias and model_type == "llama":
         # Llama's attention_bias also biases o_proj, which Megatron only has together
         # with MLP biases (add_bias_linear).
         raise Unsupported("Llama attention_bias (o_proj bias) is not supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise Unsupported("sliding-window attention is not supported")
     if getattr(hf_config, "mlp_bias", False):
         raise Unsupported("mlp_bias is not supported")
 
