@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--family", default="qwen3", help="converter name (default: qwen3)")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages (model chunks) per PP rank")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=2e-6)
     p.add_argument("--op", default="xor", choices=["xor", "add", "overwrite"])
@@ -74,17 +75,18 @@ def main(argv=None) -> int:
     from nemo_dcr import registry
     from nemo_dcr.capture import attach_post_step_hook, megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
+    from nemo_dcr.converter import coverage_report, owned_intervals
     from nemo_dcr.errors import TransferFailed
     from nemo_dcr.layout import LocalParam, ParallelLayout
     from nemo_dcr.records import Op
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
-    from nemo_dcr.trainer import TrainerRefit
+    from nemo_dcr.trainer import TrainerRefit, gather_json
     from nemo_dcr.verify import state_digests
     from tests.support import mcore_harness as H
     from tests.support.reference_export import reference_export
 
-    H.init_distributed(args.tp, args.pp)
+    H.init_distributed(args.tp, args.pp, vpp=args.vpp)
     rank = dist.get_rank()
     hf_config = AutoConfig.from_pretrained(args.checkpoint)
     specs = read_specs(args.checkpoint)
@@ -92,11 +94,12 @@ def main(argv=None) -> int:
     layout = ParallelLayout(tp_size=args.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
                             pp_size=args.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
                             dp_size=H.dp_size(), dp_rank=H.dp_rank())
-    log(f"[trainer] {dist.get_world_size()} ranks: TP={args.tp} PP={args.pp} DP={H.dp_size()}, "
+    vpp = f" (x{args.vpp} virtual)" if args.vpp else ""
+    log(f"[trainer] {dist.get_world_size()} ranks: TP={args.tp} PP={args.pp}{vpp} DP={H.dp_size()}, "
         f"distributed optimizer, BF16 params, Adam lr={args.lr}")
 
     t = time.perf_counter()
-    model, optimizer = H.build_trained_model(hf_config, args.tp, args.pp, lr=args.lr)
+    model, optimizer = H.build_trained_model(hf_config, args.tp, args.pp, lr=args.lr, vpp=args.vpp)
     params = megatron_param_name_map(model)
     local = [LocalParam(n, tuple(p.shape), p.dtype) for n, p in params.items()]
     load_maps = converter.plan(local, layout, specs, loading=True)
@@ -112,6 +115,10 @@ def main(argv=None) -> int:
                          op=Op(args.op), max_payload_elements=args.max_payload_elements)
     log(f"[trainer] placement checked: every canonical element has exactly one owner; "
         f"baseline {refit.baseline.nbytes / 2**20:.1f} MiB on this rank")
+    # What the producers will actually send, over all ranks (each canonical byte counted once).
+    covered = gather_json(owned_intervals(refit.producer.maps, refit.producer.owned))
+    if rank == 0:
+        print(f"[trainer] {coverage_report(specs, covered)}", flush=True)
 
     batches = H.make_batches(hf_config.vocab_size, args.seq_len, micro_batch=2,
                              num_micro=args.micro_batches, seed=1000 + H.dp_rank(), steps=args.steps)

@@ -138,8 +138,9 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
     procs = [subprocess.Popen([sys.executable, "-m", "nemo_dcr.cli", "receive", "--checkpoint", str(ckpt),
                                "--transport", args.transport, "--transport-config", transport_config,
                                "--id", rx], env=env) for rx in receivers]
+    vpp = f" VPP={args.vpp}" if args.vpp else ""
     print(f"[demo] 3/3 training {args.steps} steps on {world} Megatron ranks "
-          f"(TP={args.tp} PP={args.pp} DP={args.dp}) and refitting after each", flush=True)
+          f"(TP={args.tp} PP={args.pp}{vpp} DP={args.dp}) and refitting after each", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            str(root / "examples" / "megatron_refit.py"), "--checkpoint", str(ckpt), "--family", args.family,
@@ -147,6 +148,8 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
            "--op", args.op, "--transport", args.transport, "--transport-config", transport_config,
            "--receivers", ",".join(receivers), "--state-dir", str(work / "coordinator"),
            "--results", str(work / "results.jsonl"), "--shutdown-receivers"]
+    if args.vpp:
+        cmd += ["--vpp", str(args.vpp)]
     if args.dump:
         cmd += ["--dump-dir", str(work / "final")]
     try:
@@ -195,6 +198,7 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=5)
     d.add_argument("--tp", type=int, default=2)
     d.add_argument("--pp", type=int, default=1)
+    d.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per PP rank (needs --pp > 1)")
     d.add_argument("--dp", type=int, default=2)
     d.add_argument("--receivers", type=int, default=2)
     d.add_argument("--lr", type=float, default=1e-6)

@@ -19,6 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 TP2_DP2 = ["--tp", "2", "--dp", "2", "--pp", "1", "--family", "qwen3"]
 TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
+# Virtual PP: each PP rank holds two model chunks (layers 0,2 / 1,3), names carry global layer ids.
+PP2_VPP2_DP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--vpp", "2", "--family", "llama", "--tied"]
 
 
 @pytest.mark.parametrize(
@@ -26,6 +28,7 @@ TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
     [
         pytest.param(TP2_DP2, "local", id="tp2-dp2-distopt-qwen3-local"),
         pytest.param(TP2_PP2, "local", id="tp2-pp2-llama-tied-local"),
+        pytest.param(PP2_VPP2_DP2, "local", id="pp2-vpp2-dp2-llama-tied-local"),
         pytest.param(TP2_DP2, "relay", id="tp2-dp2-distopt-qwen3-relay"),
         pytest.param(TP2_PP2, "s3", id="tp2-pp2-llama-tied-s3"),
     ],
@@ -46,6 +49,7 @@ def test_refit_is_bit_exact_after_every_step(tmp_path, layout, transport):
         assert r["committed"] and r["bit_exact"], r
         assert 0 < r["change_rate"] < 0.5 and r["wire_bytes"] < r["dense_bytes"], r
     assert results[-1]["version"] == steps
+    assert "placement: 100.0% of canonical bytes affine, 0.0% residual" in out, out[-3000:]
     for rx in ("rx0", "rx1"):
         assert f"final state of {rx} vs dense export, element by element: identical" in out, out[-3000:]
     assert not (tmp_path / "shm").exists()  # the transport's shared memory is gone
