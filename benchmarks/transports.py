@@ -125,6 +125,7 @@ def plot(results: list[dict], path: Path) -> bool:
     ax.set_xlabel("receivers (processes)")
     ax.set_ylabel("time to deliver one transfer (s)")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_title("One transfer to N receivers on loopback")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -58,6 +58,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def last_stage_loss(loss: float | None) -> float:
+    """The loss as the last pipeline stage computed it, on every rank."""
+    t = torch.tensor([float("-inf") if loss is None else loss], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def log(msg: str) -> None:
     if dist.get_rank() == 0:
         print(msg, flush=True)
@@ -137,6 +144,7 @@ def main(argv=None) -> int:
     for step, batch in enumerate(batches, 1):
         t = time.perf_counter()
         ok, loss = H.train_step(model, optimizer, batch)  # the refit runs inside, after step()
+        loss = last_stage_loss(loss)
         train_s = time.perf_counter() - t
         if not ok or not outcomes:
             log(f"step {step}: optimizer step skipped, nothing to refit")
@@ -157,7 +165,7 @@ def main(argv=None) -> int:
             exact = all(not bad for bad in mismatches.values())
             all_exact &= exact
             detail = "" if exact else f" {mismatches}"
-            print(f"step {step} | loss {loss if loss is not None else float('nan'):.3f} | train {train_s:.1f} s | "
+            print(f"step {step} | loss {loss:.3f} | train {train_s:.1f} s | "
                   f"changed {m['change_rate']:.3%} | dense {m['dense_bytes'] / 1e6:.2f} MB | "
                   f"wire {m['wire_bytes'] / 1e3:.1f} kB | ratio {m['compression']:.1f}x | "
                   f"refit {m['refit_s']:.2f} s | verify {verify_s:.1f} s | "
