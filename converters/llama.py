@@ -1,5 +1,16 @@
 """Llama-3 / Qwen3 style dense decoders (RMSNorm, GQA, SwiGLU, optional QK-norm,
-tied or untied embeddings) from Megatron-core's GPTModel (local layer spec)."""
+tied or untied embeddings) from Megatron-core's GPTModel (local layer spec).
+
+Options (constructor keywords, also through `registry.converter(name, cfg, **options)`):
+
+* `qkv_as_residual=True`: the fused `linear_qkv` weight/bias is a residual rule
+  (`ResidualQKV`: each producing rank recomputes its q/k/v rows and sends changes
+  as overwrites) instead of affine pieces (`FusedQKV`). Receivers end with the same
+  bits. Registered as "qwen3-qkv-residual" / "llama-qkv-residual".
+* `zero_centered_norms=True`: every norm weight is stored zero-centred in training
+  (Megatron `layernorm_zero_centered_gamma=True`, a TE-spec feature: the local spec
+  rejects it) and as 1 + w in the checkpoint (`ZeroCenteredNorm`, a residual).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +20,12 @@ from nemo_dcr.converter import (
     FusedQKV,
     GatedColumn,
     Replicated,
+    ResidualQKV,
     RowParallel,
     Rule,
     Tied,
     VocabParallel,
+    ZeroCenteredNorm,
 )
 
 ATTN = "decoder.layers.{L}.self_attention"
@@ -21,6 +34,10 @@ HF_ATTN = "model.layers.{L}.self_attn"
 
 class LlamaConverter(TableConverter):
     family = "llama"
+
+    def __init__(self, hf_config, *, qkv_as_residual: bool = False, zero_centered_norms: bool = False):
+        self.qkv_as_residual, self.zero_centered_norms = qkv_as_residual, zero_centered_norms
+        super().__init__(hf_config)  # compiles rules(), which reads the options
 
     def dims(self) -> Dims:
         c = self.hf_config
@@ -31,19 +48,30 @@ class LlamaConverter(TableConverter):
         tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
         qkv = tuple(f"{HF_ATTN}.{x}_proj.weight" for x in "qkv")
         qkv_bias = tuple(f"{HF_ATTN}.{x}_proj.bias" for x in "qkv")
+        fused_qkv = ResidualQKV if self.qkv_as_residual else FusedQKV
+        norm = ZeroCenteredNorm if self.zero_centered_norms else Replicated
         return [
             Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VocabParallel()),
-            Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",), Replicated()),
-            Rule(f"{ATTN}.linear_qkv.weight", qkv, FusedQKV()),
-            Rule(f"{ATTN}.linear_qkv.bias", qkv_bias, FusedQKV()),
-            Rule(f"{ATTN}.q_layernorm.weight", (f"{HF_ATTN}.q_norm.weight",), Replicated()),
-            Rule(f"{ATTN}.k_layernorm.weight", (f"{HF_ATTN}.k_norm.weight",), Replicated()),
+            Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",), norm()),
+            Rule(f"{ATTN}.linear_qkv.weight", qkv, fused_qkv()),
+            Rule(f"{ATTN}.linear_qkv.bias", qkv_bias, fused_qkv()),
+            Rule(f"{ATTN}.q_layernorm.weight", (f"{HF_ATTN}.q_norm.weight",), norm()),
+            Rule(f"{ATTN}.k_layernorm.weight", (f"{HF_ATTN}.k_norm.weight",), norm()),
             Rule(f"{ATTN}.linear_proj.weight", (f"{HF_ATTN}.o_proj.weight",), RowParallel()),
-            Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",), Replicated()),
+            Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",), norm()),
             Rule("decoder.layers.{L}.mlp.linear_fc1.weight",
                  ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"), GatedColumn()),
             Rule("decoder.layers.{L}.mlp.linear_fc2.weight", ("model.layers.{L}.mlp.down_proj.weight",), RowParallel()),
-            Rule("decoder.final_layernorm.weight", ("model.norm.weight",), Replicated()),
+            Rule("decoder.final_layernorm.weight", ("model.norm.weight",), norm()),
             Rule("output_layer.weight", ("model.embed_tokens.weight",), Tied(VocabParallel()))
             if tied else Rule("output_layer.weight", ("lm_head.weight",), VocabParallel()),
         ]
+
+
+class LlamaQKVResidualConverter(LlamaConverter):
+    """The Llama / Qwen3 table with fused QKV declared as a residual (registry names
+    "llama-qkv-residual", "qwen3-qkv-residual")."""
+
+    def __init__(self, hf_config, **options):
+        options.setdefault("qkv_as_residual", True)
+        super().__init__(hf_config, **options)

@@ -39,6 +39,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="version-0 Hugging Face safetensors folder")
     p.add_argument("--family", default="qwen3", help="converter name (default: qwen3)")
+    p.add_argument("--qkv-residual", action="store_true",
+                   help="declare fused QKV as a residual rule (recomputed q/k/v rows sent as overwrites) "
+                        "instead of affine pieces; receivers end with the same bits")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages (model chunks) per PP rank")
@@ -63,6 +66,11 @@ def last_stage_loss(loss: float | None) -> float:
     t = torch.tensor([float("-inf") if loss is None else loss], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def residual_note(m: dict) -> str:
+    n = m.get("residual_changed_elements", 0)
+    return f" ({n} residual overwrites)" if n else ""
 
 
 def log(msg: str) -> None:
@@ -97,7 +105,8 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     hf_config = AutoConfig.from_pretrained(args.checkpoint)
     specs = read_specs(args.checkpoint)
-    converter = registry.converter(args.family, hf_config)
+    options = {"qkv_as_residual": True} if args.qkv_residual else {}
+    converter = registry.converter(args.family, hf_config, **options)
     layout = ParallelLayout(tp_size=args.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
                             pp_size=args.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
                             dp_size=H.dp_size(), dp_rank=H.dp_rank())
@@ -112,7 +121,8 @@ def main(argv=None) -> int:
     load_maps = converter.plan(local, layout, specs, loading=True)
     load_into(params, load_maps, CheckpointReader(args.checkpoint).get)
     optimizer.reload_model_params()  # fp32 main params follow the loaded weights
-    log(f"[trainer] loaded version 0 from {args.checkpoint} through the {args.family} converter "
+    how = " (fused QKV as a residual)" if args.qkv_residual else ""
+    log(f"[trainer] loaded version 0 from {args.checkpoint} through the {args.family} converter{how} "
         f"({time.perf_counter() - t:.1f} s)")
 
     transport = registry.transport(args.transport, json.loads(args.transport_config),
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
             all_exact &= exact
             detail = "" if exact else f" {mismatches}"
             print(f"step {step} | loss {loss:.3f} | train {train_s:.1f} s | "
-                  f"changed {m['change_rate']:.3%} | dense {m['dense_bytes'] / 1e6:.2f} MB | "
+                  f"changed {m['change_rate']:.3%}{residual_note(m)} | dense {m['dense_bytes'] / 1e6:.2f} MB | "
                   f"wire {m['wire_bytes'] / 1e3:.1f} kB | ratio {m['compression']:.1f}x | "
                   f"refit {m['refit_s']:.2f} s | verify {verify_s:.1f} s | "
                   f"bit-exact: {'yes' if exact else 'NO'} ({len(mismatches)} receivers){detail}", flush=True)

@@ -150,6 +150,8 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
            "--results", str(work / "results.jsonl"), "--shutdown-receivers"]
     if args.vpp:
         cmd += ["--vpp", str(args.vpp)]
+    if args.qkv_residual:
+        cmd += ["--qkv-residual"]
     if args.dump:
         cmd += ["--dump-dir", str(work / "final")]
     try:
@@ -208,6 +210,8 @@ def main(argv=None) -> int:
     d.add_argument("--hidden", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    d.add_argument("--qkv-residual", action="store_true",
+                   help="convert fused QKV as a residual (recompute + overwrite) instead of affine pieces")
     d.add_argument("--dump", action="store_true",
                    help="after the last step, also compare full final states element by element")
     d.add_argument("--transport", default="local", choices=["local", "relay", "s3"])

@@ -9,11 +9,17 @@ vocab, fused QKV, fused gate/up) is a handful of such pieces per parameter, so
 mapping a sorted array of changed local positions is a few vectorised integer
 operations per piece. Local elements covered by no piece are dropped on purpose
 (vocab padding, replicas owned by another rank); the converter declares why.
+
+What no index map can express (value transforms such as `1 + w` norms, FP8
+weights and their scales) is a `ResidualMap`: a function recomputes canonical
+values from the whole TP-local parameter into one flat *output* per target slice,
+and each output is placed by its own `AffineMap` (output flat index -> canonical).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -100,6 +106,83 @@ class AffineMap:
             if hi > lo:
                 out.append((p.canonical, p.canonical_index(local[lo:hi]), np.arange(lo, hi)))
         return out
+
+
+@dataclass(frozen=True)
+class ResidualMap:
+    """A local parameter whose canonical values are recomputed, not bit-copied.
+
+    `forward(local)` takes the whole TP-local parameter (in its local shape) and
+    returns one tensor per output, in the canonical dtype `dtypes[i]` (safetensors
+    spelling) with `outputs[i].numel` elements; `outputs[i]` places output i's flat
+    index in canonical coordinates. With `loading=False` the outputs hold the slices
+    this TP/PP position *produces* (every canonical element by exactly one position;
+    among the data-parallel replicas of that position, the rank whose owned range
+    starts at local element 0 computes them, see `produced_by`); with `loading=True`
+    every slice its shard *holds*. `inverse(outputs)` gives the local parameter back
+    (needed to load a checkpoint), or is None.
+    """
+
+    local_name: str
+    local_shape: tuple[int, ...]
+    outputs: tuple[AffineMap, ...]
+    dtypes: tuple[str, ...]
+    forward: Callable[..., Sequence]
+    inverse: Callable[..., object] | None = None
+    kind: str = "residual"  # what it computes, for messages
+
+    def __post_init__(self):
+        if len(self.outputs) != len(self.dtypes):
+            raise ValueError(f"{self.local_name}: {len(self.outputs)} outputs but {len(self.dtypes)} dtypes")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.local_shape:
+            n *= int(s)
+        return n
+
+    @property
+    def produces(self) -> bool:
+        """Whether this position computes any canonical element (False: replica of another)."""
+        return any(o.pieces for o in self.outputs)
+
+    def produced_by(self, start: int, stop: int) -> bool:
+        """Whether the rank owning local range [start, stop) computes this residual.
+
+        The data-parallel replicas of one TP/PP position partition each parameter
+        into owned ranges; exactly one of them contains local element 0, so exactly
+        one rank per position recomputes the residual. Under the distributed optimizer
+        parameters start in different DP ranks' shards, so residuals spread over them."""
+        return start == 0 and stop > 0 and self.produces
+
+    def key(self, i: int) -> str:
+        """Baseline key of output i: the canonical slice it covers (stable across ranks)."""
+        out = self.outputs[i]
+        return "residual:" + ";".join(
+            f"{p.canonical}[{p.offset}+{p.rows}x{p.cols}/{p.row_stride}]" for p in out.pieces)
+
+    def compute(self, local) -> list:
+        """forward(local), checked: one flat tensor per output, of the declared size."""
+        outs = list(self.forward(local))
+        if len(outs) != len(self.outputs):
+            raise ValueError(f"{self.local_name}: {self.kind} returned {len(outs)} outputs, "
+                             f"expected {len(self.outputs)}")
+        flat = []
+        for i, (t, o) in enumerate(zip(outs, self.outputs)):
+            t = t.reshape(-1)
+            if t.numel() != o.numel:
+                raise ValueError(f"{self.local_name}: {self.kind} output {i} has {t.numel()} elements, "
+                                 f"expected {o.numel}")
+            flat.append(t)
+        return flat
+
+
+def places_anything(m: AffineMap | ResidualMap, start: int, stop: int) -> bool:
+    """Whether the owned local range [start, stop) sends anything through `m`."""
+    if isinstance(m, ResidualMap):
+        return m.produced_by(start, stop)
+    return any(p.local_start < stop and p.local_stop > start for p in m.pieces)
 
 
 def merge_placed(placed: list[tuple[str, np.ndarray, np.ndarray]]):

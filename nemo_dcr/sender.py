@@ -1,6 +1,11 @@
 """Producer side of one refit: diff owned ranges against the committed baseline,
 place the changes in canonical coordinates, encode payloads and stream them out
-while later ranges are still being diffed."""
+while later ranges are still being diffed.
+
+Residual rules (`ResidualMap`) take a second path: the rank that produces a residual
+recomputes its canonical outputs from the whole local parameter, diffs them against
+the residual baseline (keyed by canonical slice, committed and aborted with the rest)
+and sends the changes as overwrites, whatever the operation of the affine changes."""
 
 from __future__ import annotations
 
@@ -14,7 +19,8 @@ from nemo_dcr import codec, dtypes
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import diff
 from nemo_dcr.layout import OwnedRange
-from nemo_dcr.placement import AffineMap, merge_placed
+from nemo_dcr.errors import ConverterError
+from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 
@@ -25,11 +31,12 @@ class ProducerReport:
     scanned_elements: int = 0
     scanned_bytes: int = 0
     changed_elements: int = 0
+    residual_elements: int = 0  # changed canonical elements of residual outputs (sent as overwrites)
     placed_elements: int = 0
     payloads: int = 0
     wire_bytes: int = 0
     first_send_s: float | None = None  # seconds from refit start to the first payload leaving
-    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("diff", "place", "encode", "send", "flush"), 0.0))
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("residual", "diff", "place", "encode", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     error: str | None = None
 
@@ -41,16 +48,16 @@ class _PayloadBuilder:
     """Accumulates placed changes per canonical tensor until a payload is full."""
 
     def __init__(self):
-        self.parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.parts: dict[tuple[str, Op], list[tuple[np.ndarray, np.ndarray]]] = {}
         self.elements = 0
 
-    def add(self, name: str, positions: np.ndarray, values: np.ndarray) -> None:
-        self.parts.setdefault(name, []).append((positions, values))
+    def add(self, name: str, op: Op, positions: np.ndarray, values: np.ndarray) -> None:
+        self.parts.setdefault((name, op), []).append((positions, values))
         self.elements += positions.size
 
-    def take(self, specs: dict, op: Op) -> list[Record]:
+    def take(self, specs: dict) -> list[Record]:
         records = []
-        for name, parts in self.parts.items():
+        for (name, op), parts in self.parts.items():
             pos = np.concatenate([p for p, _ in parts])
             val = np.concatenate([v for _, v in parts])
             if pos.size > 1 and not np.all(pos[1:] > pos[:-1]):
@@ -69,7 +76,7 @@ class Producer:
         self,
         producer_id: str,
         owned: list[OwnedRange],
-        maps: dict[str, AffineMap],
+        maps: dict[str, AffineMap | ResidualMap],
         specs: dict,
         baseline: Baseline,
         end: ProducerEnd,
@@ -79,17 +86,47 @@ class Producer:
         chunk_elements: int = 1 << 22,
         key: bytes | None = None,
         zstd_level: int = 1,
+        params: dict[str, torch.Tensor] | None = None,
     ):
+        """`params`: whole local parameters by name, for the residuals this rank produces;
+        by default taken from the owned ranges' live views (see `_whole_param`)."""
         if op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
         self.op, self.max_payload_elements, self.chunk = Op(op), max_payload_elements, chunk_elements
         self.key, self.level = key, zstd_level
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
-        self.owned = [r for r in owned if _places_anything(maps[r.param.name], r)]
+        self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
+        self.affine = [r for r in self.owned if not isinstance(maps[r.param.name], ResidualMap)]
+        # Residuals this rank produces: (map, whole local parameter). Their baselines are
+        # the canonical outputs of the parameter as it is now (the committed version).
+        self.residuals = []
         for r in self.owned:
+            rmap = maps[r.param.name]
+            if isinstance(rmap, ResidualMap):
+                whole = params[r.param.name] if params and r.param.name in params else _whole_param(r)
+                if whole.numel() != rmap.numel:
+                    raise ConverterError(f"{r.param.name}: whole parameter has {whole.numel()} elements, "
+                                         f"the plan expects {rmap.numel}")
+                self.residuals.append((rmap, whole))
+        for r in self.affine:
             if r.key not in baseline.keys():
                 baseline.register(r.key, dtypes.bits_of(r.tensor))
+        for rmap, whole in self.residuals:
+            for i, values in enumerate(self._residual_outputs(rmap, whole)):
+                if rmap.outputs[i].pieces and rmap.key(i) not in baseline.keys():
+                    baseline.register(rmap.key(i), values)
+
+    def _residual_outputs(self, rmap: ResidualMap, whole: torch.Tensor) -> list[torch.Tensor]:
+        """Bit views of the residual's canonical outputs, checked against the plan."""
+        with torch.no_grad():
+            outs = rmap.compute(whole.detach().view(rmap.local_shape))
+        bits = []
+        for i, (t, dtype) in enumerate(zip(outs, rmap.dtypes)):
+            if t.dtype != dtypes.from_name(dtype).torch_dtype:
+                raise ConverterError(f"{rmap.local_name}: {rmap.kind} output {i} is {t.dtype}, canonical is {dtype}")
+            bits.append(dtypes.bits_of(t.contiguous()))
+        return bits
 
     def refit(self, transfer: TransferInfo) -> ProducerReport:
         rep = ProducerReport(self.id)
@@ -98,7 +135,7 @@ class Producer:
         builder, payload_ids = _PayloadBuilder(), []
 
         def emit():
-            records = builder.take(self.specs, self.op)
+            records = builder.take(self.specs)
             t = time.perf_counter()
             header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
                                    self.id, f"{self.id}-{len(payload_ids):06d}")
@@ -112,33 +149,46 @@ class Producer:
             payload_ids.append(header.payload_id)
             rep.wire_bytes += len(data)
 
-        for r in self.owned:
-            current = dtypes.bits_of(r.tensor)
-            committed = self.baseline.committed(r.key)
-            amap = self.maps[r.param.name]
-            rep.scanned_elements += len(r)
-            rep.scanned_bytes += len(r) * current.element_size()
-            for lo in range(0, len(r), self.chunk):
-                hi = min(lo + self.chunk, len(r))
+        def scan(key: str, current: torch.Tensor, amap: AffineMap, offset: int, op: Op) -> int:
+            """Diff `current` against the committed bits under `key`, place the changes
+            through `amap` (local index = offset + position) and queue them; returns
+            the number of changed elements."""
+            committed = self.baseline.committed(key)
+            rep.scanned_elements += current.numel()
+            rep.scanned_bytes += current.numel() * current.element_size()
+            changed = 0
+            for lo in range(0, current.numel(), self.chunk):
+                hi = min(lo + self.chunk, current.numel())
                 t = time.perf_counter()
                 delta = diff(current[lo:hi], committed[lo:hi].to(current.device))
                 if len(delta) == 0:
                     rep.times["diff"] += time.perf_counter() - t
                     continue
                 positions = delta.positions + lo
-                self.baseline.stage(r.key, positions, delta.new)
-                values = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[self.op]()
-                values = _unsigned(values)
-                rep.changed_elements += len(delta)
+                self.baseline.stage(key, positions, delta.new)
+                values = _unsigned({Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]())
+                changed += len(delta)
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
-                local = positions.cpu().numpy() + r.start
+                local = positions.cpu().numpy() + offset
                 for name, (cpos, src) in merge_placed(amap.place(local)).items():
-                    builder.add(name, cpos, values[src])
+                    builder.add(name, op, cpos, values[src])
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
                 if builder.elements >= self.max_payload_elements:
                     emit()
+            rep.changed_elements += changed
+            return changed
+
+        for r in self.affine:
+            scan(r.key, dtypes.bits_of(r.tensor), self.maps[r.param.name], r.start, self.op)
+        for rmap, whole in self.residuals:
+            t = time.perf_counter()
+            outputs = self._residual_outputs(rmap, whole)
+            rep.times["residual"] += time.perf_counter() - t
+            for i, current in enumerate(outputs):
+                if rmap.outputs[i].pieces:  # residual changes always travel as overwrites
+                    rep.residual_elements += scan(rmap.key(i), current, rmap.outputs[i], 0, Op.OVERWRITE)
         if builder.elements or not payload_ids:
             emit()  # an empty transfer still sends one (empty) payload: receivers see the producer
         t = time.perf_counter()
@@ -153,5 +203,18 @@ def _unsigned(t: torch.Tensor) -> np.ndarray:
     return a.view(np.dtype(f"<u{a.itemsize}"))
 
 
-def _places_anything(amap: AffineMap, r: OwnedRange) -> bool:
-    return any(p.local_start < r.stop and p.local_stop > r.start for p in amap.pieces)
+def _whole_param(r: OwnedRange) -> torch.Tensor:
+    """The whole local parameter behind the owned range [0, stop) of it.
+
+    Owned ranges are live 1-D views into the parameter's storage (`capture._owned`),
+    so the range that starts at element 0 starts where the parameter does. Fails
+    closed when the view does not reach the parameter's storage (a copy was captured):
+    pass `params=` then."""
+    t, numel = r.tensor, r.param.numel
+    if t is None or r.start != 0 or t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
+        raise ConverterError(f"{r.param.name}: the residual needs the whole local parameter; "
+                             f"its owned range {r.key} is not a live view of it (pass params=)")
+    if (t.storage_offset() + numel) * t.element_size() > t.untyped_storage().nbytes():
+        raise ConverterError(f"{r.param.name}: owned range {r.key} is not a view into the parameter's "
+                             f"storage, so the whole parameter cannot be read from it (pass params=)")
+    return t.as_strided((numel,), (1,), t.storage_offset())

@@ -43,6 +43,10 @@ class RefitResult:
         return sum(p["changed_elements"] for p in self.producers)
 
     @property
+    def residual_elements(self) -> int:
+        return sum(p.get("residual_elements", 0) for p in self.producers)
+
+    @property
     def wire_bytes(self) -> int:
         return sum(p["wire_bytes"] for p in self.producers)
 
@@ -59,19 +63,24 @@ class RefitResult:
             "committed": self.decision.committed,
             "change_rate": self.change_rate,
             "changed_elements": self.changed_elements,
+            "residual_changed_elements": self.residual_elements,
             "dense_bytes": self.dense_bytes,
             "wire_bytes": self.wire_bytes,
             "compression": self.dense_bytes / max(self.wire_bytes, 1),
             "refit_s": self.seconds,
             "payloads": sum(p["payloads"] for p in self.producers),
-            **{f"producer_{k}_s": stage(k) for k in ("diff", "place", "encode", "send", "flush")},
+            **{f"producer_{k}_s": stage(k) for k in ("residual", "diff", "place", "encode", "send", "flush")},
             "receiver_stage_s": max((r.get("stage_s", 0.0) for r in applied), default=0.0),
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
         }
 
 
 class TrainerRefit:
-    """Set up once per training job (after the model holds the committed version)."""
+    """Set up once per training job (after the model holds the committed version).
+
+    `params` (optional): this rank's whole local parameters by normalized name, read by
+    the residual rules it produces; by default the owned ranges' live views reach them.
+    """
 
     def __init__(
         self,
@@ -87,22 +96,18 @@ class TrainerRefit:
         max_payload_elements: int = 1 << 20,
         baseline_dir: str | None = None,
         timeout_s: float = 300.0,
+        params: dict[str, torch.Tensor] | None = None,
     ):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.specs = specs
         self.dense_bytes = sum(_nbytes(dt, shape) for dt, shape in specs.values())
-        params = list({r.param.name: r.param for r in owned}.values())
+        local = list({r.param.name: r.param for r in owned}.values())
         problem = None
         try:
-            maps = converter.plan(params, layout, specs)
+            maps = converter.plan(local, layout, specs)
         except ConverterError as e:
             problem, maps = str(e), {}
-        problems = gather_json(problem)
-        if self.rank == 0:
-            problem = next((p for p in problems if p), None)
-        problem = bcast_json(problem)
-        if problem:
-            raise ConverterError(problem)
+        _raise_on_any_rank(problem)
         self._check_cover(maps, owned)
         self.coordinator = None
         if self.rank == 0:
@@ -112,8 +117,13 @@ class TrainerRefit:
         self.baseline = Baseline(version=version, directory=baseline_dir)
         self.producer_ids = [f"p{r}" for r in range(self.world)]
         self.end = transport.producer(self.producer_ids[self.rank])
-        self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
-                                 op=op, key=key, max_payload_elements=max_payload_elements)
+        problem = None
+        try:  # computes the residual baselines: a residual that cannot run fails every rank, not one
+            self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
+                                     op=op, key=key, max_payload_elements=max_payload_elements, params=params)
+        except (ConverterError, ValueError, KeyError) as e:
+            problem = f"rank {self.rank}: {type(e).__name__}: {e}"
+        _raise_on_any_rank(problem)
         dist.barrier()
 
     def _check_cover(self, maps, owned) -> None:
@@ -189,6 +199,15 @@ class TrainerRefit:
             if shutdown_receivers:
                 self.coordinator.shutdown()
             self.coordinator.end.close()
+
+
+def _raise_on_any_rank(problem: str | None) -> None:
+    """Collective: raise ConverterError on every rank if any rank has a problem."""
+    problems = gather_json(problem)
+    first = next((p for p in problems if p), None) if dist.get_rank() == 0 else None
+    first = bcast_json(first)
+    if first:
+        raise ConverterError(first)
 
 
 def _numel(shape) -> int:

@@ -4,7 +4,9 @@ For random small model shapes and TP/PP/DP layouts we make random Megatron-local
 shards, reassemble the canonical tensors with plain numpy (concatenate TP shards,
 de-interleave QKV weights and biases, split gate/up, drop vocab padding), and require that placing
 every owned element through the converter's affine maps writes exactly those
-canonical tensors, each element exactly once.
+canonical tensors, each element exactly once. The same holds with fused QKV declared
+as a residual (its producer recomputes q/k/v rows) and with zero-centred norms
+(residual `1 + w`): what the producing ranks send is again exactly the reassembly.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nemo_dcr import registry
 from nemo_dcr.converter import check_exact_cover, coverage_report, coverage_runs, merge_runs, owned_intervals
 from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import LocalParam, OwnedRange, ParallelLayout
-from nemo_dcr.placement import merge_placed
+from nemo_dcr.placement import ResidualMap, merge_placed
 from nemo_dcr.converters.llama import LlamaConverter
 from nemo_dcr.converters.qwen2 import Qwen2Converter
 
@@ -98,7 +100,13 @@ def local_shapes(c, tp, pp, pp_rank, padded_vocab):
     return out
 
 
-def reassemble(c, shards, tp, padded_vocab):
+def one_plus(bits):
+    """Oracle for a zero-centred norm: the bf16 bits of 1 + w, for bf16 bits w."""
+    w = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+    return (w + 1.0).view(torch.int16).numpy().view(np.uint16)
+
+
+def reassemble(c, shards, tp, padded_vocab, zero_centered=False):
     """The oracle: canonical tensors from all TP shards, written out by hand."""
     d, groups, heads = c.head_dim, c.num_key_value_heads, c.num_attention_heads
     qpg = heads // groups
@@ -126,6 +134,27 @@ def reassemble(c, shards, tp, padded_vocab):
         if c.qk_norm:
             out[p + "self_attn.q_norm.weight"] = shards[0][m + "self_attention.q_layernorm.weight"]
             out[p + "self_attn.k_norm.weight"] = shards[0][m + "self_attention.k_layernorm.weight"]
+    if zero_centered:
+        out = {k: one_plus(v) if k.endswith("norm.weight") else v for k, v in out.items()}
+    return out
+
+
+def sent_by(m, o, bits):
+    """What the producer of owned range `o` sends through map `m`, as the Producer does:
+    (canonical name, canonical positions, bits) per placed group. `bits`: the whole
+    local parameter's bits (uint16)."""
+    if not isinstance(m, ResidualMap):
+        local_pos = np.arange(o.start, o.stop, dtype=np.int64)
+        values = bits.reshape(-1)[o.start:o.stop]
+        return [(name, pos, values[src]) for name, (pos, src) in merge_placed(m.place(local_pos)).items()]
+    if not m.produced_by(o.start, o.stop):
+        return []
+    local = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+    out = []
+    for values, omap in zip(m.compute(local), m.outputs):
+        values = values.contiguous().view(torch.int16).numpy().view(np.uint16)
+        for name, (pos, src) in merge_placed(omap.place(np.arange(omap.numel, dtype=np.int64))).items():
+            out.append((name, pos, values[src]))
     return out
 
 
@@ -161,6 +190,8 @@ layouts = st.fixed_dictionaries({
     "tied": st.booleans(),
     "qk_norm": st.booleans(),
     "qkv_bias": st.booleans(),
+    "qkv_residual": st.booleans(),
+    "zero_centered": st.booleans(),
     "seed": st.integers(0, 2**31),
 })
 
@@ -175,7 +206,8 @@ def test_affine_maps_equal_gather_and_reassemble(lay):
     padded = -(-c.vocab_size // (4 * tp)) * 4 * tp
     specs = canonical_specs(c)
     # Qwen2 = Llama table + q/k/v biases - QK-norm; the Llama table also maps biases.
-    conv = Qwen2Converter(c) if lay["qkv_bias"] and not lay["qk_norm"] else LlamaConverter(c)
+    cls = Qwen2Converter if lay["qkv_bias"] and not lay["qk_norm"] else LlamaConverter
+    conv = cls(c, qkv_as_residual=lay["qkv_residual"], zero_centered_norms=lay["zero_centered"])
     placed = {n: np.zeros(int(np.prod(s)), np.uint16) for n, (_, s) in specs.items()}
     hits = {n: np.zeros(int(np.prod(s)), np.int64) for n, (_, s) in specs.items()}
     shards = {t: {} for t in range(tp)}
@@ -193,20 +225,22 @@ def test_affine_maps_equal_gather_and_reassemble(lay):
                 per_rank_runs.append(coverage_runs(maps, owned, f"tp{t}/pp{pp_rank}/dp{r}"))
                 per_rank_intervals.append(owned_intervals(maps, owned))
                 for o in owned:
-                    local_pos = np.arange(o.start, o.stop, dtype=np.int64)
-                    values = bits[o.param.name].reshape(-1)[o.start:o.stop]
-                    for name, (pos, src) in merge_placed(maps[o.param.name].place(local_pos)).items():
-                        placed[name][pos.astype(np.int64)] = values[src]
+                    for name, pos, values in sent_by(maps[o.param.name], o, bits[o.param.name]):
+                        placed[name][pos.astype(np.int64)] = values
                         np.add.at(hits[name], pos.astype(np.int64), 1)
-    expected = reassemble(c, shards, tp, padded)
+    expected = reassemble(c, shards, tp, padded, zero_centered=lay["zero_centered"])
     assert set(expected) == set(specs)
     for name, want in expected.items():
         assert np.array_equal(hits[name], np.ones_like(hits[name])), f"{name}: not placed exactly once"
         assert np.array_equal(placed[name], want.reshape(-1)), f"{name}: wrong bits"
     check_exact_cover(merge_runs(per_rank_runs), {n: int(np.prod(s)) for n, (_, s) in specs.items()})
     report = coverage_report(specs, per_rank_intervals)
-    assert report.affine_bytes == report.total_bytes == 2 * sum(h.size for h in hits.values())
-    assert report.unplaced_bytes == report.residual_bytes == 0 and not report.unplaced
+    residual = {n for n in specs if (lay["qkv_residual"] and "_proj." in n and "self_attn" in n and "o_proj" not in n)
+                or (lay["zero_centered"] and n.endswith("norm.weight"))}
+    residual_bytes = 2 * sum(hits[n].size for n in residual)
+    assert report.total_bytes == 2 * sum(h.size for h in hits.values())
+    assert (report.affine_bytes, report.residual_bytes) == (report.total_bytes - residual_bytes, residual_bytes)
+    assert report.unplaced_bytes == 0 and not report.unplaced
 
 
 def small_case(tied=False):

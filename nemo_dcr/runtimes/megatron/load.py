@@ -1,35 +1,81 @@
-"""Load a canonical checkpoint into Megatron shards through a converter's affine maps.
+"""Load a canonical checkpoint into Megatron shards through a converter's maps.
 
 The same pieces that place changes at refit time place the checkpoint at start-up
 (with `loading=True`, so replicas and tied copies are filled too): a strided view
 of each canonical tensor is copied into each local block. Local elements no piece
 covers (vocab padding) are zeroed.
+
+A residual parameter (`ResidualMap`) is filled through its rule's inverse: the
+canonical slices its shard holds are read into the outputs, and `inverse(outputs)`
+gives the local parameter. The round trip is then checked: `forward` of what was
+loaded must give back the checkpoint's bits, because the producers take `forward`
+of the loaded parameters as the residual baseline, i.e. as what receivers hold.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nemo_dcr.placement import AffineMap
+from nemo_dcr import dtypes
+from nemo_dcr.errors import ConverterError
+from nemo_dcr.placement import AffineMap, ResidualMap
 
 
 @torch.no_grad()
-def load_into(params: dict[str, torch.nn.Parameter], maps: dict[str, AffineMap], read) -> None:
+def load_into(params: dict[str, torch.nn.Parameter], maps: dict[str, AffineMap | ResidualMap], read) -> None:
     """Fill every local parameter from canonical tensors; `read(name)` returns one."""
     cache: dict[str, torch.Tensor] = {}
+
+    def canonical(name: str, needed: set[str]) -> torch.Tensor:
+        for stale in set(cache) - needed:  # keep only what this parameter reads: memory stays flat
+            del cache[stale]
+        if name not in cache:
+            cache[name] = read(name).reshape(-1)
+        return cache[name]
+
     for name, param in params.items():
         amap = maps[name]
+        if isinstance(amap, ResidualMap):
+            _load_residual(name, param, amap, canonical)
+            continue
         flat = param.data.view(-1)
         if amap.covered < flat.numel():
             flat.zero_()
         needed = {p.canonical for p in amap.pieces}
-        for stale in set(cache) - needed:  # keep only what this parameter reads: memory stays flat
-            del cache[stale]
         for p in amap.pieces:
-            if p.canonical not in cache:
-                cache[p.canonical] = read(p.canonical).reshape(-1)
-            src = cache[p.canonical]
+            src = canonical(p.canonical, needed)
             if src.dtype != param.dtype:
                 raise TypeError(f"{name}: canonical {p.canonical} is {src.dtype}, parameter is {param.dtype}")
             block = src.as_strided((p.rows, p.cols), (p.row_stride, 1), p.offset)
             flat[p.local_start:p.local_stop].view(p.rows, p.cols).copy_(block)
+
+
+def _load_residual(name: str, param: torch.Tensor, rmap: ResidualMap, canonical) -> None:
+    if rmap.inverse is None:
+        raise ConverterError(f"{name}: the {rmap.kind} rule has no inverse, so a checkpoint cannot be loaded into it")
+    needed = {p.canonical for o in rmap.outputs for p in o.pieces}
+    outputs = []
+    for out, dtype_name in zip(rmap.outputs, rmap.dtypes):
+        buf = torch.zeros(out.numel, dtype=dtypes.from_name(dtype_name).torch_dtype)
+        for p in out.pieces:
+            src = canonical(p.canonical, needed)
+            if src.dtype != buf.dtype:
+                raise TypeError(f"{name}: canonical {p.canonical} is {src.dtype}, the {rmap.kind} expects {buf.dtype}")
+            buf[p.local_start:p.local_stop].view(p.rows, p.cols).copy_(
+                src.as_strided((p.rows, p.cols), (p.row_stride, 1), p.offset))
+        outputs.append(buf)
+    local = rmap.inverse(outputs)
+    if tuple(local.shape) != tuple(param.shape) or local.dtype != param.dtype:
+        raise ConverterError(f"{name}: the {rmap.kind} inverse gave {tuple(local.shape)} {local.dtype}, "
+                             f"the parameter is {tuple(param.shape)} {param.dtype}")
+    param.data.copy_(local)
+    # Round trip: only covered output elements are checkpoint values.
+    for i, (again, want, out) in enumerate(zip(rmap.compute(param.data), outputs, rmap.outputs)):
+        again, want = dtypes.bits_of(again.contiguous()), dtypes.bits_of(want)
+        for p in out.pieces:
+            bad = int((again[p.local_start:p.local_stop] != want[p.local_start:p.local_stop]).sum())
+            if bad:
+                raise ConverterError(
+                    f"{name}: {bad} element(s) of {p.canonical} do not survive the {rmap.kind} round trip "
+                    f"(forward(inverse(checkpoint)) != checkpoint): the trainer cannot hold these values, so "
+                    f"receivers and the producers' residual baseline would disagree")
