@@ -9,7 +9,13 @@ import torch
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """One rank's coordinates in the trainer's parallel layout."""
+    """One rank's coordinates in the trainer's parallel layout.
+
+    tp/pp/dp: the dense (attention, norms, embeddings) coordinates. ep/etp: expert
+    parallelism for MoE layers (Megatron's expert_model_parallel and
+    expert_tensor_parallel ranks): expert weights are split over etp, not tp, and each
+    EP rank holds num_experts / ep_size consecutive experts. Defaults describe a dense
+    model (ep = etp = 1)."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -17,9 +23,13 @@ class ParallelLayout:
     pp_rank: int = 0
     dp_size: int = 1
     dp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
 
     def __post_init__(self):
-        for axis in ("tp", "pp", "dp"):
+        for axis in ("tp", "pp", "dp", "ep", "etp"):
             size, rank = getattr(self, f"{axis}_size"), getattr(self, f"{axis}_rank")
             if size < 1 or not 0 <= rank < size:
                 raise ValueError(f"invalid {axis} coordinates: rank {rank} of size {size}")

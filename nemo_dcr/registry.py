@@ -15,7 +15,10 @@ _FALLBACK = {
     "nemo_dcr.converters": {"llama": "nemo_dcr.converters.llama:LlamaConverter",
                             "qwen3": "nemo_dcr.converters.llama:LlamaConverter",
                             "identity": "nemo_dcr.converters.identity:IdentityConverter",
-                            "qwen2": "nemo_dcr.converters.qwen2:Qwen2Converter"},
+                            "qwen2": "nemo_dcr.converters.qwen2:Qwen2Converter",
+                            "qwen3_moe": "nemo_dcr.converters.qwen3_moe:Qwen3MoeConverter",
+                            "llama-qkv-residual": "nemo_dcr.converters.llama:LlamaQKVResidualConverter",
+                            "qwen3-qkv-residual": "nemo_dcr.converters.llama:LlamaQKVResidualConverter"},
     "nemo_dcr.transports": {"local": "nemo_dcr.transports.local:LocalTransport",
                             "relay": "nemo_dcr.transports.relay:RelayTransport",
                             "s3": "nemo_dcr.transports.s3:S3Transport"},
@@ -43,6 +46,7 @@ def transport(name: str, config: dict | None = None, *, receivers: list[str] | N
     return load("nemo_dcr.transports", name)(config, receivers=receivers)
 
 
-def converter(name: str, hf_config):
-    """Build a family's converter by name for a Hugging Face config."""
-    return load("nemo_dcr.converters", name)(hf_config)
+def converter(name: str, hf_config, **options):
+    """Build a family's converter by name for a Hugging Face config; `options` go to its
+    constructor (e.g. `qkv_as_residual=True` for the llama / qwen3 table)."""
+    return load("nemo_dcr.converters", name)(hf_config, **options)

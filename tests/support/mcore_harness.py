@@ -34,6 +34,8 @@ def init_distributed(
     pp: int,
     *,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
 ) -> None:
@@ -41,7 +43,8 @@ def init_distributed(
 
     Seeds: ``torch.manual_seed(seed)`` (CPU default generator: the data-parallel
     state, same on every rank) and ``model_parallel_cuda_manual_seed(seed)`` (the
-    TP tracker states, via the shim on CPU).
+    TP tracker states, via the shim on CPU). ``ep`` / ``etp``: expert-parallel and
+    expert-tensor-parallel sizes for MoE models (the MoE config uses etp = 1).
     """
     megatron_cpu_shim.install()
     from megatron.core import parallel_state
@@ -57,6 +60,8 @@ def init_distributed(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,  # None: = tp (megatron's default)
         )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -94,6 +99,7 @@ def build_trained_model(
     seed: int = 1234,
     *,
     vpp: int | None = None,
+    ep: int = 1,
     clip_grad: float = 1.0,
     weight_decay: float = 0.0,
 ):
@@ -120,7 +126,7 @@ def build_trained_model(
     overrides = {}
     if vpp is not None:
         overrides["virtual_pipeline_model_parallel_size"] = vpp
-    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, **overrides)
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, ep=ep, **overrides)
     chunks = build_model_chunks(hf_config, config)
 
     ddp_config = DistributedDataParallelConfig(

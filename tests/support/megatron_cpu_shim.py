@@ -31,6 +31,10 @@ distributed optimizer in bf16, checked with megatron-core 0.16.1):
    generator; callers seed it with ``torch.manual_seed`` themselves. The
    "CPU RNG state changed within GPU RNG context" warning is expected then and
    is filtered out.
+5. MoE without Transformer Engine: ``megatron.core.transformer.moe.moe_utils`` leaves
+   ``te_general_gemm`` undefined when TE is missing (its ``except ImportError`` branch
+   sets the other TE names only), so the router's gating linear raises NameError. The
+   shim defines it as None, which selects the plain ``torch.mm`` path.
 
 Collectives: torch 2.13's gloo supports every collective megatron uses here
 (``reduce_scatter_tensor``, ``all_gather_into_tensor``, bf16 all-reduce, AVG),
@@ -166,6 +170,13 @@ def _patch_rng_tracker() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_DropTrackerWarning())
 
 
+def _patch_moe_utils() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def install() -> bool:
     """Install the CPU redirections once per process. Returns True if active."""
     global _INSTALLED, _MODE
@@ -175,6 +186,7 @@ def install() -> bool:
         return True
     _patch_torch_cuda()
     _patch_rng_tracker()
+    _patch_moe_utils()
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # stays entered for the life of the process
     _INSTALLED = True

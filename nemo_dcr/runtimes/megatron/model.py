@@ -20,7 +20,19 @@ rope_theta             rotary_base; rope, non-interleaved (HF ``rotate_half``)
 tie_word_embeddings    share_embeddings_and_output_weights
 vocab_size             padded_vocab_size(vocab, tp, make_vocab_size_divisible_by)
 initializer_range      init_method_std
+num_experts (MoE)      num_moe_experts; SequentialMLP experts (local spec, no grouped GEMM)
+num_experts_per_tok    moe_router_topk
+moe_intermediate_size  moe_ffn_hidden_size
+norm_topk_prob         True: softmax over the top-k logits (Megatron default);
+                       False: moe_router_pre_softmax (softmax over all, then top-k)
 =====================  ==========================================================
+
+MoE (Qwen3-MoE, ``model_type == "qwen3_moe"``): every layer sparse (``decoder_sparse_step
+== 1``, no ``mlp_only_layers``), no shared experts, no router bias, router in fp32
+(``moe_router_dtype="fp32"``: HF takes the softmax in fp32), load-balancing loss off
+(``moe_router_load_balancing_type="none"``; pass an override to train with one), the
+"allgather" token dispatcher, and expert-TP = 1 by default (each expert whole on one
+rank; ``expert_model_parallel_size`` comes from ``parallel_state`` or an override).
 
 Parameter names: :func:`megatron_param_name_map` gives every parameter of a
 rank's model chunks under its *normalized* name: wrapper prefixes ("module.")
@@ -96,11 +108,13 @@ def transformer_config_from_hf(
     *,
     tp: int,
     pp: int,
+    ep: int = 1,
     params_dtype: torch.dtype = torch.bfloat16,
     sequence_parallel: bool = False,
     **overrides: Any,
 ):
-    """A ``TransformerConfig`` for ``hf_config`` (Llama / Qwen2 / Qwen3) at TP ``tp`` × PP ``pp``.
+    """A ``TransformerConfig`` for ``hf_config`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE) at TP ``tp``
+    × PP ``pp`` (× EP ``ep`` for MoE).
 
     Dropout is taken from the HF config (attention_dropout; no hidden dropout in
     Llama / Qwen3). All CUDA-only fusions are off so the config also runs on CPU;
@@ -128,6 +142,11 @@ def transformer_config_from_hf(
         raise Unsupported("sliding-window attention is not supported")
     if getattr(hf_config, "mlp_bias", False):
         raise Unsupported("mlp_bias is not supported")
+    moe = _moe_fields(hf_config)
+    if ep != 1:
+        if not moe:
+            raise Unsupported(f"expert parallelism (ep={ep}) needs an MoE model")
+        moe["expert_model_parallel_size"] = ep
 
     fields = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -167,8 +186,36 @@ def transformer_config_from_hf(
         cross_entropy_loss_fusion=False,
         attention_softmax_in_fp32=True,
     )
+    fields.update(moe)
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def _moe_fields(hf_config) -> dict:
+    """TransformerConfig MoE fields for a Qwen3-MoE style config ({} for dense models)."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if not experts:
+        return {}
+    if getattr(hf_config, "model_type", "") != "qwen3_moe":
+        raise Unsupported(f"MoE model_type {hf_config.model_type!r}: only qwen3_moe is supported")
+    if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
+        raise Unsupported("dense layers between MoE layers (decoder_sparse_step / mlp_only_layers) are not supported")
+    if getattr(hf_config, "shared_expert_intermediate_size", 0):
+        raise Unsupported("shared experts are not supported")
+    return {
+        "num_moe_experts": int(experts),
+        "moe_router_topk": int(hf_config.num_experts_per_tok),
+        "moe_ffn_hidden_size": int(hf_config.moe_intermediate_size),
+        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", True)),
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "moe_permute_fusion": False,
+        "expert_tensor_parallel_size": 1,
+    }
 
 
 def build_gpt_model(
@@ -201,13 +248,15 @@ def build_gpt_model(
             hf_config,
             tp=parallel_state.get_tensor_model_parallel_world_size(),
             pp=parallel_state.get_pipeline_model_parallel_world_size(),
+            ep=parallel_state.get_expert_model_parallel_world_size(),
             **config_overrides,
         )
     elif config_overrides:
         raise TypeError("pass either config or config overrides, not both")
 
     spec = get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=config.normalization
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm, normalization=config.normalization,
     )
     model = GPTModel(
         config=config,

@@ -1,0 +1,66 @@
+"""Qwen3-MoE style decoders (the Qwen3 attention / norms / embeddings, every MLP a
+routed mixture of SwiGLU experts, no shared experts) from Megatron-core's GPTModel
+(local layer spec, SequentialMLP experts: `moe_grouped_gemm=False`).
+
+Expert parallelism: EP rank r holds experts [r * n, (r + 1) * n), n = num_experts /
+ep_size, as `mlp.experts.local_experts.<e>` with the EP-local index e; the "{E}"
+placeholder maps e to the global index of the checkpoint's per-expert tensors
+(`model.layers.<L>.mlp.experts.<r*n+e>.{gate,up,down}_proj.weight`). Expert weights
+are split over the *expert*-TP group (`ParallelLayout.etp_*`), not the dense TP group:
+`ExpertTP` hands the inner mapping the expert-TP coordinates. The router
+(`mlp.router.weight`, [num_experts, hidden]) is replicated over TP (and over EP: EP
+ranks are data-parallel replicas of every dense parameter): TP rank 0 owns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nemo_dcr.converters.llama import LlamaConverter
+
+from nemo_dcr.converter import (
+    Context,
+    GatedColumn,
+    Mapping,
+    Replicated,
+    RowParallel,
+    Rule,
+)
+
+EXPERT = "decoder.layers.{L}.mlp.experts.local_experts.{E}"
+HF_EXPERT = "model.layers.{L}.mlp.experts.{E}"
+
+
+class ExpertTP(Mapping):
+    """`inner` applied with the expert-tensor-parallel coordinates as its TP coordinates."""
+
+    def __init__(self, inner: Mapping):
+        self.inner, self.n_targets, self.dropped_reason = inner, inner.n_targets, inner.dropped_reason
+
+    @staticmethod
+    def _expert_ctx(ctx: Context) -> Context:
+        lay = dataclasses.replace(ctx.layout, tp_size=ctx.layout.etp_size, tp_rank=ctx.layout.etp_rank)
+        return dataclasses.replace(ctx, layout=lay)
+
+    def pieces(self, ctx):
+        return self.inner.pieces(self._expert_ctx(ctx))
+
+    def load_pieces(self, ctx):
+        return self.inner.load_pieces(self._expert_ctx(ctx))
+
+
+class Qwen3MoeConverter(LlamaConverter):
+    family = "qwen3_moe"
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.hf_config.num_experts)
+
+    def rules(self) -> list[Rule]:
+        dense = [r for r in super().rules() if ".mlp.linear_fc" not in r.pattern]
+        return dense + [
+            Rule("decoder.layers.{L}.mlp.router.weight", ("model.layers.{L}.mlp.gate.weight",), Replicated()),
+            Rule(f"{EXPERT}.linear_fc1.weight", (f"{HF_EXPERT}.gate_proj.weight", f"{HF_EXPERT}.up_proj.weight"),
+                 ExpertTP(GatedColumn())),
+            Rule(f"{EXPERT}.linear_fc2.weight", (f"{HF_EXPERT}.down_proj.weight",), ExpertTP(RowParallel())),
+        ]
