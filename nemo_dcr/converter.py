@@ -252,7 +252,9 @@ class Residual(Mapping):
         """Canonical values of every output from the whole local parameter."""
 
     def inverse(self, outputs: list[torch.Tensor], ctx: Context) -> torch.Tensor:
-        raise NotImplementedError
+        """Optional (see has_inverse): without it a checkpoint cannot be loaded through the rule."""
+        raise ConverterError(f"{ctx.param.name}: {type(self).__name__} has no inverse, so a checkpoint "
+                             "cannot be loaded into this parameter through the converter")
 
     def has_inverse(self) -> bool:
         return type(self).inverse is not Residual.inverse
