@@ -36,7 +36,13 @@ import zstandard
 
 from . import dtypes
 from .errors import PayloadRejected
-from .positions import MAX_NUMEL, PositionsError, check_positions, decode_runs, encode_runs
+from .positions import (
+    MAX_NUMEL,
+    PositionsError,
+    check_positions,
+    decode_runs,
+    encode_runs,
+)
 from .records import Op, Payload, PayloadHeader, Record
 
 MAGIC = b"NDCR"

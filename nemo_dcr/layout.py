@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +50,7 @@ class LocalParam:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.local_shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.local_shape)
 
 
 @dataclass

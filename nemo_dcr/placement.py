@@ -18,8 +18,9 @@ and each output is placed by its own `AffineMap` (output flat index -> canonical
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -137,10 +138,7 @@ class ResidualMap:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.local_shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.local_shape)
 
     @property
     def produces(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -33,10 +34,7 @@ class Record:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])

@@ -18,8 +18,8 @@ import torch
 from nemo_dcr import codec, dtypes
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import diff
-from nemo_dcr.layout import OwnedRange
 from nemo_dcr.errors import ConverterError
+from nemo_dcr.layout import OwnedRange
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
