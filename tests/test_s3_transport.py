@@ -19,6 +19,7 @@ from nemo_dcr.commit import AlreadyCommitted
 from nemo_dcr.errors import TransportError
 from nemo_dcr.transport import TransferInfo
 from tests.support.s3_server import free_port, moto_server, payload_objects, seaweedfs_server, weed_available
+from tests.support.transports import drain, run_receivers
 
 S3Transport = pytest.importorskip("nemo_dcr.transports.s3", reason="needs boto3").S3Transport
 pytest.importorskip("flask", reason="moto's S3 server needs moto[server]")
@@ -47,42 +48,6 @@ def objects(server, bucket, prefix=""):
     return sorted(o["Key"] for o in r.get("Contents", ()))
 
 
-def drain(end, seen, stop, delay=0.0, reject=()):
-    """A receiver loop: record payload bytes, ack each (rejecting some)."""
-    while not stop.is_set():
-        ev = end.poll(0.05)
-        if ev is None:
-            continue
-        if ev.kind == "payload":
-            time.sleep(delay)
-            seen.append((ev.meta["payload_id"], None if ev.data is None else bytes(ev.data), ev.meta))
-            pid = ev.meta["payload_id"]
-            end.staged(ev.meta["transfer_id"], ev.meta["producer_id"], pid, "bad" if pid in reject else None)
-        else:
-            seen.append((ev.kind, ev.meta, None))
-        ev.release()
-
-
-def run_receivers(t, ids, **kw):
-    stop, threads, seen, ends = threading.Event(), [], {}, []
-    for rx in ids:
-        end = t.receiver(rx)
-        ends.append(end)
-        seen[rx] = []
-        th = threading.Thread(target=drain, args=(end, seen[rx], stop), kwargs=kw, daemon=True)
-        th.start()
-        threads.append(th)
-
-    def finish():
-        stop.set()
-        for th in threads:
-            th.join(5)
-        for end in ends:
-            end.close()
-
-    return seen, finish
-
-
 def begin(t, info=INFO):
     """Receivers list a transfer's payloads once told to begin it."""
     coord = t.coordinator()
@@ -91,7 +56,7 @@ def begin(t, info=INFO):
 
 
 def payloads(seen):
-    return {pid: data for pid, data, _ in seen if isinstance(data, bytes)}
+    return {pid: data for pid, data in seen if isinstance(data, bytes)}
 
 
 def test_found_by_name():
@@ -110,7 +75,7 @@ def test_every_receiver_gets_every_payload_and_objects_are_removed(server, cfg):
             prod.send(INFO, pid, blob)
         assert prod.flush(INFO, list(blobs)) == {}
         deadline = time.monotonic() + 5
-        while not all(any(k == "manifest" for k, _, _ in seen[rx]) for rx in t.receivers):
+        while not all(any(k == "manifest" for k, _ in seen[rx]) for rx in t.receivers):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         for rx in t.receivers:
@@ -152,10 +117,10 @@ def test_two_producers_after_a_begin(cfg):
         for p, prod in prods.items():
             assert prod.flush(info, [f"{p}-0"]) == {}
         deadline = time.monotonic() + 5
-        while sum(k == "manifest" for k, _, _ in got) < 2 and time.monotonic() < deadline:
+        while sum(k == "manifest" for k, _ in got) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert payloads(got) == {"p0-0": b"p0" * 10, "p1-0": b"p1" * 10}
-        assert got[0][0] == "begin" and sorted(k for k, _, _ in got[1:]) == ["manifest", "manifest", "p0-0", "p1-0"]
+        assert got[0][0] == "begin" and sorted(k for k, _ in got[1:]) == ["manifest", "manifest", "p0-0", "p1-0"]
         assert end.open["t2"].complete  # nothing more to list for this transfer
     finally:
         stop.set()

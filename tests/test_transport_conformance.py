@@ -5,12 +5,11 @@ name the silent peer, the coordinator's control plane, and cleanup."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
 
-from tests.support.transports import TRANSPORTS, open_transport, leftovers
+from tests.support.transports import TRANSPORTS, leftovers, open_transport, run_receivers
 from nemo_dcr.errors import TransportError
 from nemo_dcr.transport import TransferInfo
 
@@ -30,42 +29,6 @@ def make(request, tmp_path):
     yield factory
     for t in made:
         t.cleanup()
-
-
-def drain(end, seen, stop, delay=0.0, reject=()):
-    """A receiver loop: record payload bytes, ack each (rejecting some)."""
-    while not stop.is_set():
-        ev = end.poll(0.05)
-        if ev is None:
-            continue
-        if ev.kind == "payload":
-            time.sleep(delay)
-            seen.append((ev.meta["payload_id"], bytes(ev.data)))
-            pid = ev.meta["payload_id"]
-            end.staged(ev.meta["transfer_id"], ev.meta["producer_id"], pid, "bad" if pid in reject else None)
-        else:
-            seen.append((ev.kind, ev.meta))
-        ev.release()
-
-
-def run_receivers(t, ids, **kw):
-    stop, threads, seen, ends = threading.Event(), [], {}, []
-    for rx in ids:
-        end = t.receiver(rx)
-        ends.append(end)
-        seen[rx] = []
-        th = threading.Thread(target=drain, args=(end, seen[rx], stop), kwargs=kw, daemon=True)
-        th.start()
-        threads.append(th)
-
-    def finish():
-        stop.set()
-        for th in threads:
-            th.join(5)
-        for end in ends:
-            end.close()
-
-    return seen, finish
 
 
 def test_every_receiver_gets_every_payload_and_segments_are_removed(make):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from nemo_dcr import registry
 from tests.support.launch import free_port
@@ -39,3 +41,40 @@ def leftovers(t) -> list[str]:
     if t.name == "s3":
         return payload_objects(t)
     raise ValueError(f"no conformance set-up for transport {t.name!r}")
+
+
+def drain(end, seen, stop, delay=0.0, reject=()):
+    """A receiver loop: record payload bytes, ack each (rejecting some)."""
+    while not stop.is_set():
+        ev = end.poll(0.05)
+        if ev is None:
+            continue
+        if ev.kind == "payload":
+            time.sleep(delay)
+            seen.append((ev.meta["payload_id"], None if ev.data is None else bytes(ev.data)))
+            pid = ev.meta["payload_id"]
+            end.staged(ev.meta["transfer_id"], ev.meta["producer_id"], pid, "bad" if pid in reject else None)
+        else:
+            seen.append((ev.kind, ev.meta))
+        ev.release()
+
+
+def run_receivers(t, ids, **kw):
+    """Receiver ends on threads running `drain`; returns (seen per receiver, finish)."""
+    stop, threads, seen, ends = threading.Event(), [], {}, []
+    for rx in ids:
+        end = t.receiver(rx)
+        ends.append(end)
+        seen[rx] = []
+        th = threading.Thread(target=drain, args=(end, seen[rx], stop), kwargs=kw, daemon=True)
+        th.start()
+        threads.append(th)
+
+    def finish():
+        stop.set()
+        for th in threads:
+            th.join(5)
+        for end in ends:
+            end.close()
+
+    return seen, finish
