@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from nemo_dcr import registry
@@ -33,12 +32,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_rank_group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 class Setup:

@@ -417,15 +417,6 @@ def hf_checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def single_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_refit_over_the_relay_tree_is_bit_exact(hf_checkpoint, tmp_path, single_rank_group):
     import torch
     from safetensors.torch import load_file

@@ -16,10 +16,11 @@ from tests.support.s3_server import moto_server
 
 # The local refit test's model, process group and trainer/receiver harness; only the
 # transport differs (Setup builds it through registry.transport, redirected below).
-from tests.test_local_refit import Setup, checkpoint, single_rank_group  # noqa: F401
+from tests.test_local_refit import Setup, checkpoint  # noqa: F401
 
 S3Transport = pytest.importorskip("nemo_dcr.transports.s3", reason="needs boto3").S3Transport
 pytest.importorskip("flask", reason="moto's S3 server needs moto[server]")
+pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 
 @pytest.fixture(scope="module")
