@@ -77,19 +77,27 @@ def perturb(old: dict[str, np.ndarray], seed: int, frac=0.01, every=2) -> dict[s
     return new
 
 
+MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+       "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
 def tiny(family: str, tie: bool):
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[family]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[family]
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}[family]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+                 "qwen3_moe": transformers.Qwen3MoeForCausalLM, "mixtral": transformers.MixtralForCausalLM}[family]
     cfg = cfg_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=tie)
+                  num_key_value_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=tie,
+                  **MOE.get(family, {}))
     return cfg, model_cls
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Version-0 checkpoints: untied Llama, tied Qwen3 (random init, bf16 safetensors)."""
+    """Version-0 checkpoints: untied Llama, tied Qwen3, and two MoE families whose
+    per-expert checkpoint tensors transformers fuses in memory (random init, bf16)."""
     out = {}
-    for family, tie in (("llama", False), ("qwen3", True)):
+    for family, tie in (("llama", False), ("qwen3", True), ("qwen3_moe", False), ("mixtral", False)):
         cfg, model_cls = tiny(family, tie)
         torch.manual_seed(1 if tie else 0)
         model = model_cls(cfg).to(torch.bfloat16)
@@ -125,7 +133,7 @@ def test_catalog_from_safetensors_headers(checkpoints):
     assert set(plain.canonical_state()) == set(qwen.catalog())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("op", list(Op))
 def test_apply_is_bit_exact_and_revert_restores(checkpoints, family, op):
     rt = receiver(checkpoints, family)
@@ -143,6 +151,32 @@ def test_apply_is_bit_exact_and_revert_restores(checkpoints, family, op):
     assert_bits(rt, old)
     with pytest.raises(ApplyError, match="already reverted"):
         rt.revert(log)
+
+
+@pytest.mark.parametrize("family,expert", [
+    ("qwen3_moe", "model.layers.1.mlp.experts.{e}.{p}_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.{e}.{p}.weight"),
+])
+def test_per_expert_checkpoint_tensors_land_in_the_fused_experts(checkpoints, family, expert):
+    rt = receiver(checkpoints, family)
+    assert rt.catalog() == read_specs(checkpoints[family][0]) and rt.ignored == {}
+    gate, up, down = ("gate", "up", "down") if family == "qwen3_moe" else ("w1", "w3", "w2")
+    experts = rt.model.model.layers[1].mlp.experts
+    inter = experts.down_proj.shape[-1]
+    old = bits(rt)
+    new = {n: v.copy() for n, v in old.items()}
+    for p in (gate, up, down):
+        new[expert.format(e=2, p=p)][5] ^= np.uint16(0x0040)
+    rt.apply(records_for(rt, old, new, Op.XOR))
+    assert_bits(rt, new)
+    # the same bits through transformers' fused parameters: gate rows, then up rows, of expert 2
+    fused = experts.gate_up_proj.detach().view(torch.int16).numpy().view(np.uint16)
+    assert fused[2, 0].reshape(-1)[5] == new[expert.format(e=2, p=gate)][5]
+    assert fused[2, inter].reshape(-1)[5] == new[expert.format(e=2, p=up)][5]
+    assert (fused[2, :inter].reshape(-1) == new[expert.format(e=2, p=gate)]).all()
+    assert (fused[2, inter:].reshape(-1) == new[expert.format(e=2, p=up)]).all()
+    assert (experts.down_proj.detach().view(torch.int16)[2].reshape(-1).numpy().view(np.uint16)
+            == new[expert.format(e=2, p=down)]).all()
 
 
 def test_meta_scratch_and_stacked_versions(checkpoints):
