@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages (model chunks) per PP rank")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism for MoE families (expert-TP 1)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (needed to train MoE with TP > 1)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=2e-6)
     p.add_argument("--op", default="xor", choices=["xor", "add", "overwrite"])
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     from tests.support import mcore_harness as H
     from tests.support.reference_export import reference_export
 
-    H.init_distributed(args.tp, args.pp, vpp=args.vpp)
+    H.init_distributed(args.tp, args.pp, vpp=args.vpp, ep=args.ep, etp=1 if args.ep > 1 else None)
     rank = dist.get_rank()
     hf_config = AutoConfig.from_pretrained(args.checkpoint)
     specs = read_specs(args.checkpoint)
@@ -109,13 +111,20 @@ def main(argv=None) -> int:
     converter = registry.converter(args.family, hf_config, **options)
     layout = ParallelLayout(tp_size=args.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
                             pp_size=args.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                            dp_size=H.dp_size(), dp_rank=H.dp_rank())
+                            dp_size=H.dp_size(), dp_rank=H.dp_rank(),
+                            ep_size=args.ep, ep_rank=ps.get_expert_model_parallel_rank(),
+                            etp_size=ps.get_expert_tensor_parallel_world_size(),
+                            etp_rank=ps.get_expert_tensor_parallel_rank())
     vpp = f" (x{args.vpp} virtual)" if args.vpp else ""
-    log(f"[trainer] {dist.get_world_size()} ranks: TP={args.tp} PP={args.pp}{vpp} DP={H.dp_size()}, "
+    ep = f" EP={args.ep}" if args.ep > 1 else ""
+    sp = " SP" if args.sp else ""
+    log(f"[trainer] {dist.get_world_size()} ranks: TP={args.tp}{sp} PP={args.pp}{vpp} DP={H.dp_size()}{ep}, "
         f"distributed optimizer, BF16 params, Adam lr={args.lr}")
 
     t = time.perf_counter()
-    model, optimizer = H.build_trained_model(hf_config, args.tp, args.pp, lr=args.lr, vpp=args.vpp)
+    extra = {"sequence_parallel": True} if args.sp else {}
+    model, optimizer = H.build_trained_model(hf_config, args.tp, args.pp, lr=args.lr, vpp=args.vpp, ep=args.ep,
+                                             **extra)
     params = megatron_param_name_map(model)
     local = [LocalParam(n, tuple(p.shape), p.dtype) for n, p in params.items()]
     load_maps = converter.plan(local, layout, specs, loading=True)

@@ -23,18 +23,25 @@ def _repo_root() -> Path:
                      "(it needs examples/ and tests/support/) and run it again")
 
 
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "mixtral")
+
+
 def make_checkpoint(out: str | os.PathLike, *, family: str = "qwen3", hidden: int = 256, layers: int = 4,
                     heads: int = 8, kv_heads: int = 4, ffn: int = 768, vocab: int = 2000,
-                    tied: bool = False, seed: int = 0) -> Path:
-    """A small random-init Hugging Face checkpoint (BF16 safetensors): version 0."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+                    tied: bool = False, seed: int = 0, experts: int = 4) -> Path:
+    """A small random-init Hugging Face checkpoint (BF16 safetensors): version 0.
 
-    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[family]
+    MoE families get `experts` routed experts (top-2); Qwen3-MoE experts are ffn/4 wide."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+
+    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[family]
+    moe = {"qwen3_moe": {"num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": ffn // 4},
+           "mixtral": {"num_local_experts": experts, "num_experts_per_tok": 2}}.get(family, {})
     config = cls(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
                  vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=1024,
-                 rope_theta=10000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16")
+                 rope_theta=10000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16", **moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     with torch.no_grad():  # norms at 1.0 would never change at RL learning rates; make them realistic
@@ -100,6 +107,12 @@ def cmd_demo(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     receivers = [f"rx{i}" for i in range(args.receivers)]
     world = args.tp * args.pp * args.dp
+    if args.ep > 1 and args.family not in ("qwen3_moe", "mixtral"):
+        raise SystemExit(f"--ep {args.ep}: expert parallelism needs an MoE family (qwen3_moe, mixtral)")
+    if args.ep > 1 and (args.tp * args.dp) % args.ep:
+        raise SystemExit(f"--ep {args.ep} must divide TP x DP = {args.tp * args.dp} (expert-TP is 1)")
+    if args.sp and args.tp == 1:
+        raise SystemExit("--sp splits sequences over the TP ranks: it needs --tp > 1")
     with contextlib.ExitStack() as stack:
         config = _demo_transport_config(args, receivers, stack)
         return _run_demo(args, root, work, receivers, world, json.dumps(config))
@@ -141,8 +154,10 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
                                "--transport", args.transport, "--transport-config", transport_config,
                                "--id", rx], env=env) for rx in receivers]
     vpp = f" VPP={args.vpp}" if args.vpp else ""
+    ep = f" EP={args.ep}" if args.ep > 1 else ""
+    sp = " SP" if args.sp else ""
     print(f"[demo] 3/3 training {args.steps} steps on {world} Megatron ranks "
-          f"(TP={args.tp} PP={args.pp}{vpp} DP={args.dp}) and refitting after each", flush=True)
+          f"(TP={args.tp}{sp} PP={args.pp}{vpp} DP={args.dp}{ep}) and refitting after each", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
            str(root / "examples" / "megatron_refit.py"), "--checkpoint", str(ckpt), "--family", args.family,
@@ -152,6 +167,10 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
            "--results", str(work / "results.jsonl"), "--shutdown-receivers"]
     if args.vpp:
         cmd += ["--vpp", str(args.vpp)]
+    if args.ep > 1:
+        cmd += ["--ep", str(args.ep)]
+    if args.sp:
+        cmd += ["--sp"]
     if args.qkv_residual:
         cmd += ["--qkv-residual"]
     if args.dump:
@@ -207,7 +226,9 @@ def main(argv=None) -> int:
     d.add_argument("--receivers", type=int, default=2)
     d.add_argument("--lr", type=float, default=1e-6)
     d.add_argument("--op", default="xor", choices=["xor", "add", "overwrite"])
-    d.add_argument("--family", default="qwen3", choices=["qwen3", "llama"])
+    d.add_argument("--family", default="qwen3", choices=FAMILIES)
+    d.add_argument("--ep", type=int, default=1, help="expert parallelism for the MoE families (divides TP x DP)")
+    d.add_argument("--sp", action="store_true", help="sequence parallelism (MoE with TP > 1 trains only with it)")
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--hidden", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
@@ -234,7 +255,7 @@ def main(argv=None) -> int:
 
     m = sub.add_parser("make-checkpoint", help="write a small random version-0 HF checkpoint")
     m.add_argument("out")
-    m.add_argument("--family", default="qwen3", choices=["qwen3", "llama"])
+    m.add_argument("--family", default="qwen3", choices=FAMILIES)
     m.add_argument("--hidden", type=int, default=256)
     m.add_argument("--layers", type=int, default=4)
     m.add_argument("--vocab", type=int, default=2000)

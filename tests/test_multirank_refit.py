@@ -25,6 +25,10 @@ TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
 PP2_VPP2_DP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--vpp", "2", "--family", "llama", "--tied"]
 # Fused QKV as a residual: DP ranks split the producing of q/k/v (whoever owns local element 0).
 TP2_DP2_QKV_RESIDUAL = [*TP2_DP2, "--qkv-residual"]
+# MoE under expert parallelism: EP=2 over the DP ranks; dense params sharded by the
+# distributed optimizer over DP, each EP rank the only owner of its experts; receivers
+# apply per-expert records into transformers' fused expert tensors.
+QWEN3_MOE_PP2_DP2_EP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--ep", "2", "--family", "qwen3_moe"]
 
 
 @pytest.mark.parametrize(
@@ -36,6 +40,7 @@ TP2_DP2_QKV_RESIDUAL = [*TP2_DP2, "--qkv-residual"]
         pytest.param(TP2_DP2, "relay", id="tp2-dp2-distopt-qwen3-relay"),
         pytest.param(TP2_PP2, "s3", id="tp2-pp2-llama-tied-s3"),
         pytest.param(TP2_DP2_QKV_RESIDUAL, "local", id="tp2-dp2-distopt-qwen3-qkv-residual-local"),
+        pytest.param(QWEN3_MOE_PP2_DP2_EP2, "local", id="pp2-dp2-ep2-distopt-qwen3-moe-local"),
     ],
 )
 def test_refit_is_bit_exact_after_every_step(tmp_path, layout, transport):

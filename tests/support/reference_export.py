@@ -16,6 +16,10 @@ Formulas (per TP rank r of ``tp``; ``nh`` heads, ``ng`` KV groups, ``d`` head di
 * ``linear_proj`` -> ``o_proj``: cat along dim 1.
 * ``linear_fc1`` -> rank r holds ``[gate_r; up_r]``: ``gate_proj`` = cat of gate_r,
   ``up_proj`` = cat of up_r (dim 0). ``linear_fc2`` -> ``down_proj``: cat along dim 1.
+* MoE layers (Qwen3-MoE / Mixtral names, expert-TP 1): the router (replicated) from TP
+  rank 0; local expert e of EP rank r is global expert ``r * E/ep + e``, its
+  ``linear_fc1`` ``[gate; up]`` split in halves and ``linear_fc2`` whole; every rank
+  contributes its own experts (replicas over expert-DP must agree).
 * norms (replicated over TP): from TP rank 0. input_layernorm, pre_mlp_layernorm ->
   post_attention_layernorm, q_layernorm / k_layernorm -> q_norm / k_norm,
   decoder.final_layernorm -> model.norm.
@@ -52,6 +56,14 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+# model_type -> (router name, per-expert prefix, (gate, up, down) names), as the
+# checkpoints spell them
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{g}.", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{g}.", ("w1", "w3", "w2")),
+}
+
+
 def reference_export(model_chunks, hf_config, *, strict: bool = True):
     """Dense HF state dict on global rank 0 (``None`` elsewhere). Collective: call on
     every rank. Tensors are CPU, contiguous, in the params' dtype (bf16)."""
@@ -84,6 +96,7 @@ def reference_export(model_chunks, hf_config, *, strict: bool = True):
         return parts[0]
 
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}  # this rank's own experts, whole (no TP gather)
     tied_copy = None
     for chunk in model_chunks:
         m = _unwrap(chunk)
@@ -122,6 +135,20 @@ def reference_export(model_chunks, hf_config, *, strict: bool = True):
             out[pre + "self_attn.o_proj.weight"] = torch.cat(
                 gather(att.linear_proj.weight), dim=1
             )
+            if hasattr(mlp, "router"):
+                router, expert, (g_name, u_name, d_name) = _MOE_NAMES[hf_config.model_type]
+                out[pre + router] = replicated(mlp.router.weight, pre + router)
+                if ps.get_expert_tensor_parallel_world_size() != 1:
+                    raise NotImplementedError("the oracle gathers whole experts only (expert-TP 1)")
+                local_experts = mlp.experts.local_experts
+                first = ps.get_expert_model_parallel_rank() * len(local_experts)
+                for e, ex in enumerate(local_experts):
+                    name = pre + expert.format(g=first + e)
+                    half = ex.linear_fc1.weight.shape[0] // 2
+                    experts[name + f"{g_name}.weight"] = ex.linear_fc1.weight[:half]
+                    experts[name + f"{u_name}.weight"] = ex.linear_fc1.weight[half:]
+                    experts[name + f"{d_name}.weight"] = ex.linear_fc2.weight
+                continue
             gates, ups = [], []
             for part in gather(mlp.linear_fc1.weight):
                 half = part.shape[0] // 2
@@ -142,13 +169,14 @@ def reference_export(model_chunks, hf_config, *, strict: bool = True):
                 # Tied under PP: the last stage keeps its own copy of the embedding.
                 tied_copy = vocab_rows(weight)
 
-    local = {k: v.detach().cpu().contiguous().clone() for k, v in out.items()}
-    if tied_copy is not None:
+    local = {k: v.detach().cpu().contiguous().clone() for k, v in out.items()} if tp_rank == 0 else {}
+    local.update({k: v.detach().cpu().contiguous().clone() for k, v in experts.items()})
+    if tied_copy is not None and tp_rank == 0:
         local["__tied_output_copy__"] = tied_copy.cpu().contiguous()
     payload = {
         "pp": ps.get_pipeline_model_parallel_rank(),
         "dp": ps.get_data_parallel_rank(with_context_parallel=True),
-        "tensors": local if tp_rank == 0 else {},
+        "tensors": local,
     }
     world = dist.get_world_size()
     received = [None] * world if dist.get_rank() == 0 else None
