@@ -213,6 +213,40 @@ def _compare_dumps(folder: Path, receivers: list[str]) -> bool:
     return ok
 
 
+def cmd_project(args) -> int:
+    """Project a refit at cluster scale from per-byte costs measured on this machine."""
+    import dataclasses
+
+    from nemo_dcr.projection import Cluster, measure_costs, project, report
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)}
+    problems = [f"--{n.replace('_', '-')} must be positive (got {v})" for n, v in values.items() if v <= 0]
+    if not 0 < values["change_rate"] <= 1:
+        problems.append(f"--change-rate must be in (0, 1] (got {values['change_rate']})")
+    if values["fanout"] < 2:
+        problems.append(f"--fanout must be at least 2 (got {values['fanout']})")
+    if problems:
+        raise SystemExit("nemo-dcr project: " + "; ".join(problems))
+    print(f"[project] measuring per-byte costs on this machine ({args.elements / 1e6:.0f}M elements)...", flush=True)
+    costs = measure_costs(values["change_rate"], elements=args.elements)
+    result = project(Cluster(**values), costs)
+    print(report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2))
+        print(f"[project] wrote {args.json}")
+    return 0
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from nemo_dcr.projection import Cluster
+
+    for f in dataclasses.fields(Cluster):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                            help=f"(default {f.default:g})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="nemo-dcr", description="Delta-Compressed Refit")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -262,6 +296,15 @@ def main(argv=None) -> int:
     m.add_argument("--tied", action="store_true")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_checkpoint)
+
+    j = sub.add_parser("project", help="project a refit at cluster scale (defaults: the paper's 1T setting)",
+                       description="Measures per-byte costs here, then projects each refit stage for the "
+                                   "described cluster and prints every assumption. Defaults: 1T params at 3%%, "
+                                   "32 GB300 producers, 64 H100 receivers, 5 Gbit/s per node across regions.")
+    _add_cluster_arguments(j)
+    j.add_argument("--elements", type=int, default=1 << 24, help="synthetic tensor size for the measurements")
+    j.add_argument("--json", help="also write the projection as JSON here")
+    j.set_defaults(func=cmd_project)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,61 @@
+"""`nemo-dcr project`: per-byte costs measured with the real codec, then a cluster model
+whose stages respond to the resources they depend on, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from nemo_dcr.cli import main
+from nemo_dcr.projection import Cluster, Costs, measure_costs, project
+
+COSTS = Costs(change_rate=0.03, wire_bytes_per_change=1.2, scan_gbps_per_core=0.2,
+              apply_gbps_per_core=0.02, memcpy_gbps_per_core=2.0, elements=1 << 20)
+
+
+def test_measured_costs_come_from_a_bit_exact_round_trip():
+    costs = measure_costs(0.03, elements=1 << 18)
+    # +-1 ULP at 3%: a few bits of position entropy plus about one bit of value per change
+    assert 0.3 < costs.wire_bytes_per_change < 4.0
+    assert costs.scan_gbps_per_core > 0 and costs.apply_gbps_per_core > 0 and costs.memcpy_gbps_per_core > 0
+
+
+def test_each_stage_follows_its_resource():
+    base = project(Cluster(), COSTS)
+    faster_links = project(dataclasses.replace(Cluster(), cross_gbps=10.0), COSTS)
+    assert faster_links.stages_s["cross-region transfer"] == pytest.approx(base.stages_s["cross-region transfer"] / 2)
+    assert faster_links.stages_s["scan (diff + encode)"] == base.stages_s["scan (diff + encode)"]
+    more_changes = project(dataclasses.replace(Cluster(), change_rate=0.06), COSTS)
+    assert more_changes.wire_bytes == pytest.approx(2 * base.wire_bytes)
+    assert more_changes.stages_s["scan (diff + encode)"] == base.stages_s["scan (diff + encode)"]
+    assert base.total_s >= max(base.stages_s.values()) and base.serial_s >= base.total_s - 1.0
+    assert base.dense_bytes == 2e12 and base.dense_s > base.total_s
+    # the wire is what the change rate and the codec say, nothing else
+    assert base.wire_bytes == pytest.approx(1e12 * 0.03 * 1.2)
+
+
+def test_one_replica_needs_no_relay_fan_out():
+    small = project(dataclasses.replace(Cluster(), params=8e9, receiver_gpus=8), COSTS)
+    assert small.stages_s["relay fan-out"] == 0.0
+
+
+def test_cli_prints_assumptions_and_the_paper_number(tmp_path, capsys):
+    out_json = tmp_path / "p.json"
+    assert main(["project", "--elements", str(1 << 16), "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "assumptions:" in out and "the paper: 150 s" in out and "5 Gbit/s per node" in out
+    data = json.loads(out_json.read_text())
+    assert data["cluster"]["producer_gpus"] == 32 and data["cluster"]["receiver_gpus"] == 64
+    assert data["total_s"] > 0 and set(data["stages_s"]) == set(project(Cluster(), COSTS).stages_s)
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--change-rate", "1.5", "--change-rate must be in"),
+    ("--cross-gbps", "0", "--cross-gbps must be positive"),
+    ("--fanout", "1", "--fanout must be at least 2"),
+])
+def test_bad_cluster_descriptions_are_named(flag, value, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["project", flag, value, "--elements", "1024"])
