@@ -3,8 +3,8 @@
 A transfer v -> v+1 commits only when every producer has flushed with no payload
 rejected and every receiver has applied the whole transfer. The commit point is a
 record for v+1 created with compare-and-set semantics (by default a file
-`commits/v<target>.json` created with O_EXCL in the coordinator's state directory), so two coordinators can never both commit the same
-version. After it exists, receivers serve v+1 and producers take v+1 as their
+`commits/v<target>.json` created with O_EXCL in the coordinator's state directory),
+so two coordinators can never both commit the same version. After it exists, receivers serve v+1 and producers take v+1 as their
 baseline; before it, both stay at v. Transports whose peers share no file system
 keep the records elsewhere (`Transport.commit_log`), e.g. as conditional writes in
 object storage.
@@ -88,6 +88,7 @@ class Coordinator:
     def __init__(self, end: CoordinatorEnd, log: CommitLog, *, timeout_s: float = 300.0):
         self.end, self.log, self.timeout_s = end, log, timeout_s
         self.version = self.log.latest()
+        self.times: dict[str, float] = {}  # seconds of the last transfer's phases (for metrics)
 
     def new_transfer(self, producers: list[str]) -> TransferInfo:
         tid = f"v{self.version}-v{self.version + 1}-{uuid.uuid4().hex[:8]}"
@@ -95,23 +96,30 @@ class Coordinator:
 
     def begin(self, info: TransferInfo) -> list[str]:
         """Announce the transfer; returns problems (empty when every receiver is ready)."""
+        t = time.perf_counter()
+        self.times = {}
         try:
             self.end.broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
             replies = self.end.collect("ready", info.transfer_id, self.timeout_s)
         except TransportError as e:
             return [str(e)]
+        finally:
+            self.times["prepare"] = time.perf_counter() - t
         return [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
 
     def finish(self, info: TransferInfo, producer_problems: list[str]) -> Decision:
         """Wait for every receiver's apply, then commit jointly or abort everywhere."""
         reasons = list(producer_problems)
         replies: dict[str, dict] = {}
+        t = time.perf_counter()
         if not reasons:
             try:
                 replies = self.end.collect("applied", info.transfer_id, self.timeout_s)
                 reasons += [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
             except TransportError as e:
                 reasons.append(str(e))
+        self.times["wait_applied"] = time.perf_counter() - t
+        t = time.perf_counter()
         if not reasons:
             try:
                 self.log.write(info, {"receivers": sorted(replies)})
@@ -122,6 +130,7 @@ class Coordinator:
             return Decision(info.transfer_id, False, self.version, reasons, replies)
         self.version = info.target_version
         self.end.broadcast("commit", {"transfer_id": info.transfer_id, "version": self.version})
+        self.times["commit"] = time.perf_counter() - t
         return Decision(info.transfer_id, True, self.version, [], replies)
 
     def abort(self, info: TransferInfo, reason: str) -> None:

@@ -33,6 +33,7 @@ class RefitResult:
     producers: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     dense_bytes: int = 0
+    coordinator_times: dict = field(default_factory=dict)  # prepare / wait_applied / commit (rank 0)
 
     @property
     def scanned_elements(self) -> int:
@@ -55,9 +56,14 @@ class RefitResult:
         return self.changed_elements / max(self.scanned_elements, 1)
 
     def metrics(self) -> dict:
-        """Flat numbers for a logger."""
+        """Flat numbers for a logger (NeMo RL's, or `nemo_dcr.metrics.PrometheusExporter`).
+
+        Stage times are the slowest producer's / receiver's: capture is part of diff (the
+        owned ranges are live views, read in place); transfer is send + flush; the pause
+        is the receivers' in-place apply (decode and staging happen before it)."""
         stage = lambda k: max((p["times"][k] for p in self.producers), default=0.0)  # noqa: E731
         applied = self.decision.receivers.values()
+        transfer = max((p["times"]["send"] + p["times"]["flush"] for p in self.producers), default=0.0)
         return {
             "version": self.decision.version,
             "committed": self.decision.committed,
@@ -70,8 +76,12 @@ class RefitResult:
             "refit_s": self.seconds,
             "payloads": sum(p["payloads"] for p in self.producers),
             **{f"producer_{k}_s": stage(k) for k in ("residual", "diff", "place", "encode", "send", "flush")},
+            "producer_transfer_s": transfer,
             "receiver_stage_s": max((r.get("stage_s", 0.0) for r in applied), default=0.0),
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
+            "pause_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
+            "receivers": len(self.decision.receivers),
+            **{f"coordinator_{k}_s": v for k, v in sorted(self.coordinator_times.items())},
         }
 
 
@@ -128,7 +138,7 @@ class TrainerRefit:
 
     def _check_cover(self, maps, owned) -> None:
         runs = coverage_runs(maps, owned, f"rank {self.rank}")
-        compact = {n: [[s.tolist(), l.tolist(), who] for s, l, who in parts] for n, parts in runs.items()}
+        compact = {n: [[s.tolist(), k.tolist(), who] for s, k, who in parts] for n, parts in runs.items()}
         gathered = gather_json(compact)
         problem = None
         if self.rank == 0:
@@ -172,7 +182,8 @@ class TrainerRefit:
                     for pid, why in d.items()]
             decision = self.coordinator.finish(info, bad)
         decision = self._decide(info, decision)
-        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes)
+        times = dict(self.coordinator.times) if self.coordinator else {}
+        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times)
 
     def _decide(self, info: TransferInfo, decision: Decision | None) -> Decision:
         d = bcast_json(decision.to_json() if decision else None)

@@ -86,7 +86,15 @@ def test_refits_are_bit_exact_and_commit_jointly(checkpoint, tmp_path, op):
             assert result.decision.committed and result.decision.version == version
             assert s.refit.baseline.version == version
             assert 0 < result.changed_elements < result.scanned_elements
-            assert result.metrics()["payloads"] > 1  # streamed in several payloads
+            m = result.metrics()
+            assert m["payloads"] > 1  # streamed in several payloads
+            # every stage a logger expects, timed (capture is part of diff: the ranges are live views)
+            for stage in ("diff", "place", "encode", "transfer"):
+                assert m[f"producer_{stage}_s"] > 0, stage
+            for phase in ("prepare", "wait_applied", "commit"):
+                assert m[f"coordinator_{phase}_s"] > 0, phase
+            assert m["pause_s"] == m["receiver_apply_s"] > 0 and m["receiver_stage_s"] > 0
+            assert m["receivers"] == len(s.receivers)
             for r in s.receivers:
                 assert r.serving_version == version
                 assert bit_mismatches(s.expected(), r.runtime.canonical_state()) == []

@@ -1,0 +1,204 @@
+"""The `refit_transport: dcr` block of a NeMo RL config, validated.
+
+NeMo RL users configure generation under `policy.generation`; delta refit is one more
+choice there, beside NeMo RL's own collective / CUDA-IPC refit:
+
+    policy:
+      generation:
+        backend: vllm
+        colocated: {enabled: false}
+        refit_transport: dcr
+        refit_cfg:
+          dcr:
+            transport: s3                      # local | relay | s3 (or any registered transport)
+            s3: {bucket: rl-refit, region: us-west-2, prefix: job-42}
+            converter: qwen3                   # registry name; default: the HF model_type
+            state_dir: /shared/job-42/dcr      # commit records (the s3 transport keeps them in the bucket)
+
+Every problem is reported at once, each naming its full path (`policy.generation.
+refit_cfg.dcr.<field>`), before anything starts. Unknown fields are errors, not ignored:
+a misspelt option must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_dcr import registry
+from nemo_dcr.records import Op
+
+PATH = "policy.generation.refit_cfg.dcr"
+VERIFY_MODES = ("never", "every_refit")
+BASELINE_STORAGE = ("memory", "mmap")
+
+# Transport settings each built-in transport accepts (beyond its defaults) and requires.
+_TRANSPORT_FIELDS = {
+    "local": ({"dir", "max_in_flight_bytes", "timeout_s"}, set()),
+    "relay": ({"nodes", "coordinator", "coordinator_bind", "fanout", "timeout_s", "max_in_flight_bytes",
+               "window_bytes", "window_payloads", "hwm", "local_queue"}, {"nodes", "coordinator"}),
+    "s3": ({"bucket", "endpoint_url", "region", "profile", "prefix", "timeout_s", "poll_s", "max_in_flight_bytes",
+            "part_size", "multipart_threshold", "upload_concurrency", "prefetch", "ack_concurrency", "max_attempts",
+            "addressing_style", "keep_payloads"}, {"bucket"}),
+}
+
+
+class ConfigError(ValueError):
+    """Every problem of a refit config, one per line, each naming its field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid NeMo-DCR refit config:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class DCRSettings:
+    """What the trainer side and the receivers need, resolved from the config."""
+
+    transport: str
+    transport_config: dict
+    converter: str | None
+    converter_options: dict = field(default_factory=dict)
+    op: Op = Op.XOR
+    state_dir: str | None = None
+    baseline_storage: str = "memory"
+    baseline_dir: str | None = None
+    key_env: str | None = None
+    verify: str = "every_refit"
+    timeout_s: float = 300.0
+    max_payload_elements: int = 1 << 20
+
+    def key(self) -> bytes | None:
+        """The HMAC key from the environment (never stored in the config, never logged)."""
+        if self.key_env is None:
+            return None
+        value = os.environ.get(self.key_env)
+        if not value:
+            raise ConfigError([f"{PATH}.key_env: environment variable {self.key_env} is not set or empty"])
+        return value.encode()
+
+    def converter_name(self, hf_config) -> str:
+        return self.converter or str(getattr(hf_config, "model_type", "") or "identity")
+
+    def trainer_kwargs(self) -> dict:
+        """Keyword arguments for `nemo_dcr.trainer.TrainerRefit` (besides what the worker knows)."""
+        return {"state_dir": self.state_dir, "op": self.op, "key": self.key(), "timeout_s": self.timeout_s,
+                "max_payload_elements": self.max_payload_elements,
+                "baseline_dir": self.baseline_dir if self.baseline_storage == "mmap" else None}
+
+    def build_transport(self, receivers: list[str] | None = None):
+        return registry.transport(self.transport, self.transport_config, receivers=receivers)
+
+
+def is_enabled(generation_cfg: dict | None) -> bool:
+    """True when `policy.generation` selects delta refit."""
+    return bool(generation_cfg) and generation_cfg.get("refit_transport") == "dcr"
+
+
+def from_generation_config(generation_cfg: dict) -> DCRSettings:
+    """Validate `policy.generation` and return the settings; raise ConfigError listing every problem."""
+    problems: list[str] = []
+    if not isinstance(generation_cfg, dict):
+        raise ConfigError([f"policy.generation must be a mapping, got {type(generation_cfg).__name__}"])
+    if generation_cfg.get("refit_transport") != "dcr":
+        raise ConfigError([f"policy.generation.refit_transport must be 'dcr' to use NeMo-DCR, "
+                           f"got {generation_cfg.get('refit_transport')!r}"])
+    colocated = bool((generation_cfg.get("colocated") or {}).get("enabled"))
+    cfg = (generation_cfg.get("refit_cfg") or {}).get("dcr")
+    if not isinstance(cfg, dict):
+        raise ConfigError([*problems, f"{PATH} is missing: it needs at least 'transport' and that transport's "
+                                      f"section (e.g. transport: s3 with s3: {{bucket: ...}})"])
+    checker = _Checker(problems)
+    known = {"transport", "converter", "converter_options", "op", "state_dir", "baseline", "key_env", "verify",
+             "timeout_s", "max_payload_elements", *registry.available("nemo_dcr.transports")}
+    for unknown in sorted(set(cfg) - known):
+        problems.append(f"{PATH}.{unknown}: unknown field (known: {', '.join(sorted(known))})")
+
+    transport = checker.choice(cfg, "transport", registry.available("nemo_dcr.transports"), required=True)
+    transport_config = cfg.get(transport, {}) if transport else {}
+    if transport and not isinstance(transport_config, dict):
+        problems.append(f"{PATH}.{transport} must be a mapping of {transport} transport settings")
+        transport_config = {}
+    if transport in _TRANSPORT_FIELDS:
+        allowed, required = _TRANSPORT_FIELDS[transport]
+        for unknown in sorted(set(transport_config) - allowed):
+            problems.append(f"{PATH}.{transport}.{unknown}: unknown {transport} transport setting "
+                            f"(known: {', '.join(sorted(allowed))})")
+        for missing in sorted(required - set(transport_config)):
+            problems.append(f"{PATH}.{transport}.{missing} is required by the {transport} transport")
+    if transport == "relay" and not (isinstance(transport_config.get("nodes"), list) and transport_config["nodes"]):
+        problems.append(f"{PATH}.relay.nodes must be a non-empty list of {{id: ..., endpoint: tcp://host:port}}")
+    if colocated and transport not in (None, "local"):
+        problems.append(f"{PATH}.transport: colocated generation (policy.generation.colocated.enabled) shares the "
+                        f"trainer's nodes; use the local transport (shared memory / CUDA IPC), not {transport}")
+    for other in sorted(set(cfg) & set(registry.available("nemo_dcr.transports")) - {transport}):
+        problems.append(f"{PATH}.{other}: settings for a transport that is not selected (transport: {transport})")
+
+    converter = cfg.get("converter")
+    if converter is not None:
+        checker.choice(cfg, "converter", registry.available("nemo_dcr.converters"))
+    options = checker.mapping(cfg, "converter_options")
+    op = checker.choice(cfg, "op", ("xor", "add"), default="xor")
+    state_dir = checker.string(cfg, "state_dir")
+    if transport in ("local", "relay") and state_dir is None:
+        problems.append(f"{PATH}.state_dir is required with the {transport} transport: the coordinator keeps "
+                        f"its commit records there (a directory that survives the trainer's restarts)")
+    baseline = checker.mapping(cfg, "baseline")
+    storage = checker.choice(baseline, "storage", BASELINE_STORAGE, default="memory", where=f"{PATH}.baseline")
+    baseline_dir = checker.string(baseline, "dir", where=f"{PATH}.baseline")
+    for unknown in sorted(set(baseline) - {"storage", "dir"}):
+        problems.append(f"{PATH}.baseline.{unknown}: unknown field (known: dir, storage)")
+    if storage == "mmap" and baseline_dir is None:
+        problems.append(f"{PATH}.baseline.dir is required when baseline.storage is mmap")
+    key_env = checker.string(cfg, "key_env")
+    verify = checker.choice(cfg, "verify", VERIFY_MODES, default="every_refit")
+    timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
+    max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
+    if problems:
+        raise ConfigError(problems)
+    return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
+                       converter_options=dict(options), op=Op(op), state_dir=state_dir, baseline_storage=storage,
+                       baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
+                       max_payload_elements=max_payload)
+
+
+class _Checker:
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+
+    def _where(self, where: str | None, name: str) -> str:
+        return f"{where or PATH}.{name}"
+
+    def choice(self, cfg: dict, name: str, options, *, default=None, required: bool = False, where=None):
+        value = cfg.get(name, default)
+        if value is None:
+            if required:
+                self.problems.append(f"{self._where(where, name)} is required (one of: {', '.join(options)})")
+            return None
+        if value not in options:
+            self.problems.append(f"{self._where(where, name)}: {value!r} is not one of: {', '.join(options)}")
+            return None
+        return value
+
+    def mapping(self, cfg: dict, name: str) -> dict:
+        value = cfg.get(name) or {}
+        if not isinstance(value, dict):
+            self.problems.append(f"{PATH}.{name} must be a mapping, got {type(value).__name__}")
+            return {}
+        return value
+
+    def string(self, cfg: dict, name: str, where=None) -> str | None:
+        value = cfg.get(name)
+        if value is not None and (not isinstance(value, str) or not value):
+            self.problems.append(f"{self._where(where, name)} must be a non-empty string, got {value!r}")
+            return None
+        return value
+
+    def positive(self, cfg: dict, name: str, default, kind: type) -> Any:
+        value = cfg.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+                kind is int and int(value) != value):
+            self.problems.append(f"{PATH}.{name} must be a positive {kind.__name__}, got {value!r}")
+            return default
+        return kind(value)

@@ -1,0 +1,94 @@
+"""The `refit_transport: dcr` block of a NeMo RL config: the shipped example validates,
+and each kind of mistake is reported with the path of the field that is wrong."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_dcr.integrations.nemo_rl.check import main as check
+from nemo_dcr.integrations.nemo_rl.config import ConfigError, from_generation_config, is_enabled
+from nemo_dcr.records import Op
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nemo_rl" / "grpo_dcr.yaml"
+P = "policy.generation.refit_cfg.dcr"
+
+
+def example_generation() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())["policy"]["generation"]
+
+
+def with_dcr(**changes) -> dict:
+    gen = copy.deepcopy(example_generation())
+    for key, value in changes.items():
+        if value is None:
+            gen["refit_cfg"]["dcr"].pop(key, None)
+        else:
+            gen["refit_cfg"]["dcr"][key] = value
+    return gen
+
+
+def test_the_shipped_example_validates(monkeypatch, capsys):
+    settings = from_generation_config(example_generation())
+    assert settings.transport == "s3" and settings.op is Op.XOR and settings.converter == "qwen3_moe"
+    assert settings.transport_config == {"bucket": "my-rl-refit", "region": "us-west-2",
+                                         "prefix": "grpo-qwen3-30b/run-1"}
+    assert settings.baseline_storage == "mmap" and settings.timeout_s == 600.0
+    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
+    kwargs = settings.trainer_kwargs()
+    assert kwargs["key"] == b"s3cret" and kwargs["baseline_dir"] == "/local_nvme/dcr-baseline"
+    assert check([str(EXAMPLE)]) == 0 and "OK" in capsys.readouterr().out
+
+
+def test_off_unless_selected():
+    assert not is_enabled({"backend": "vllm"}) and not is_enabled(None)
+    assert is_enabled(example_generation())
+    with pytest.raises(ConfigError, match="refit_transport must be 'dcr'"):
+        from_generation_config({"backend": "vllm"})
+
+
+def test_a_missing_key_variable_is_named_without_its_value(monkeypatch):
+    monkeypatch.delenv("DCR_HMAC_KEY", raising=False)
+    with pytest.raises(ConfigError, match=f"{P}.key_env: environment variable DCR_HMAC_KEY is not set"):
+        from_generation_config(example_generation()).key()
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"transport": None}, f"{P}.transport is required"),
+    ({"transport": "carrier-pigeon"}, f"{P}.transport: 'carrier-pigeon' is not one of"),
+    ({"s3": {"region": "us-west-2"}}, f"{P}.s3.bucket is required by the s3 transport"),
+    ({"s3": {"bucket": "b", "bukket": "c"}}, f"{P}.s3.bukket: unknown s3 transport setting"),
+    ({"relay": {"nodes": []}}, f"{P}.relay: settings for a transport that is not selected"),
+    ({"op": "overwrite"}, f"{P}.op: 'overwrite' is not one of: xor, add"),
+    ({"converter": "gpt-17"}, f"{P}.converter: 'gpt-17' is not one of"),
+    ({"baseline": {"storage": "mmap"}}, f"{P}.baseline.dir is required when baseline.storage is mmap"),
+    ({"baseline": {"storage": "tape", "dir": "/x"}}, f"{P}.baseline.storage: 'tape' is not one of"),
+    ({"verify": "sometimes"}, f"{P}.verify: 'sometimes' is not one of: never, every_refit"),
+    ({"timeout_s": 0}, f"{P}.timeout_s must be a positive float"),
+    ({"max_payload_elements": 2.5}, f"{P}.max_payload_elements must be a positive int"),
+    ({"anchors_every": 5}, f"{P}.anchors_every: unknown field"),
+])
+def test_each_mistake_names_its_field(changes, message):
+    with pytest.raises(ConfigError) as info:
+        from_generation_config(with_dcr(**changes))
+    assert any(p.startswith(message) for p in info.value.problems), info.value.problems
+
+
+def test_all_problems_at_once_and_transport_specific_rules():
+    gen = with_dcr(transport="relay", s3=None, relay={"nodes": []}, op="mul")
+    with pytest.raises(ConfigError) as info:
+        from_generation_config(gen)
+    problems = "\n".join(info.value.problems)
+    for expected in (f"{P}.relay.coordinator is required", f"{P}.relay.nodes must be a non-empty list",
+                     f"{P}.state_dir is required with the relay transport", f"{P}.op: 'mul'"):
+        assert expected in problems
+    colocated = with_dcr()
+    colocated["colocated"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="colocated generation .* use the local transport"):
+        from_generation_config(colocated)
+    local = with_dcr(transport="local", s3=None, local={"dir": "/dev/shm/job"}, state_dir="/shared/state")
+    local["colocated"] = {"enabled": True}
+    assert from_generation_config(local).transport_config == {"dir": "/dev/shm/job"}
