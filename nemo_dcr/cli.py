@@ -237,6 +237,16 @@ def cmd_project(args) -> int:
     return 0
 
 
+def cmd_curve_keygen(args) -> int:
+    """A new CURVE secret key for the relay transport's `curve_secret_env`."""
+    import zmq
+
+    _, secret = zmq.curve_keypair()
+    print("# put this in the environment variable named by the relay transport's curve_secret_env", file=sys.stderr)
+    print(secret.decode())
+    return 0
+
+
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     import dataclasses
 
@@ -305,6 +315,9 @@ def main(argv=None) -> int:
     j.add_argument("--elements", type=int, default=1 << 24, help="synthetic tensor size for the measurements")
     j.add_argument("--json", help="also write the projection as JSON here")
     j.set_defaults(func=cmd_project)
+
+    k = sub.add_parser("curve-keygen", help="print a new CURVE secret key for an encrypted relay tree")
+    k.set_defaults(func=cmd_curve_keygen)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -30,15 +30,22 @@ waits timeout_s for the root. Delivery is at least once: a re-sent payload still
 tree is merged (each sender acked), later it travels again (receivers dedup by id).
 Payloads travel as raw frames, control as JSON; nothing is pickled.
 
+Security: with `curve_secret_env` (the name of an environment variable holding a Z85
+CURVE secret key, made by `nemo-dcr curve-keygen`) every socket is encrypted and
+authenticated with ZeroMQ CURVE: nodes and the coordinator accept only peers that hold
+the same key pair, so nobody without the secret can read payloads or inject control
+messages. Without it, binding an endpoint that is not on loopback logs a warning.
+
 Configuration: nodes, fanout (2), coordinator (tcp endpoint), coordinator_bind,
 timeout_s (120), max_in_flight_bytes (256 MiB, per producer), window_bytes (64 MiB) and
-window_payloads (256) per link, hwm (1024), local_queue (64).
+window_payloads (256) per link, hwm (1024), local_queue (64), curve_secret_env (none).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 
@@ -46,7 +53,7 @@ import zmq
 
 from nemo_dcr.errors import TransportError
 from nemo_dcr.transport import CoordinatorEnd, ProducerEnd, ReceiverEnd, Transport, dumps, loads
-from nemo_dcr.transports.relay_node import RelayNode, dealer, trim, zsocket
+from nemo_dcr.transports.relay_node import RelayNode, bind_server, dealer, trim, zsocket
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +90,7 @@ class RelayTransport(Transport):
         self.window_bytes, self.window_payloads = int(cfg["window_bytes"]), int(cfg["window_payloads"])
         self.hwm, self.local_queue = int(cfg["hwm"]), int(cfg["local_queue"])
         self.height = self.depth(len(self.nodes) - 1)
+        self.curve = curve_keys(cfg.get("curve_secret_env"))
 
     # --- topology (pure functions of the configuration, the same in every process) ----
 
@@ -158,6 +166,23 @@ def nodes_from_mpi(comm, port_base: int, *, host: str | None = None, receiver_id
     if len(set(ids)) != len(ids):
         raise ValueError(f"relay transport: MPI ranks gave duplicate receiver ids {ids}")
     return nodes
+
+
+def curve_keys(env_var: str | None) -> tuple[bytes, bytes] | None:
+    """(public, secret) Z85 CURVE keys from the secret in `env_var`; None without one."""
+    if env_var is None:
+        return None
+    if not zmq.has("curve"):
+        raise ValueError("relay transport: curve_secret_env is set but this libzmq has no CURVE support")
+    secret = os.environ.get(str(env_var), "").strip().encode()
+    if len(secret) != 40:
+        raise ValueError(f"relay transport: environment variable {env_var} must hold a 40-character Z85 CURVE "
+                         f"secret key (make one with `nemo-dcr curve-keygen`); it is "
+                         f"{'unset' if not secret else f'{len(secret)} characters long'}")
+    try:
+        return zmq.curve_public(secret), secret
+    except zmq.ZMQError as e:
+        raise ValueError(f"relay transport: {env_var} does not hold a valid Z85 CURVE secret key: {e}") from None
 
 
 # --- producer --------------------------------------------------------------------------
@@ -278,10 +303,11 @@ class _Coordinator(CoordinatorEnd):
     def __init__(self, t: RelayTransport):
         self.t = t
         self.ctx = zmq.Context()
-        self.inbox = zsocket(self.ctx, zmq.PULL, t)
+        self.inbox = zsocket(self.ctx, zmq.PULL, t, server=True)
         bind = t.config.get("coordinator_bind", t.config["coordinator"])
+        self.auth = None
         try:
-            self.inbox.bind(bind)
+            self.auth = bind_server(self.ctx, self.inbox, t, bind, "the coordinator")
         except zmq.ZMQError as e:
             self.inbox.close(0)
             self.ctx.term()
@@ -333,4 +359,6 @@ class _Coordinator(CoordinatorEnd):
         self.inbox.close(0)
         for s in self.out:
             s.close()
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()

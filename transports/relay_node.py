@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -39,13 +40,62 @@ log = logging.getLogger("nemo_dcr.transports.relay")  # one logger for the whole
 LOCAL = -1  # the local receiver's slot in an entry's `waiting` set (children use their node index)
 
 
-def zsocket(ctx: zmq.Context, kind: int, t: RelayTransport, linger_ms: int = 0) -> zmq.Socket:
-    """A socket of `kind` with the transport's high-water marks."""
+def zsocket(ctx: zmq.Context, kind: int, t: RelayTransport, linger_ms: int = 0, *, server: bool = False
+            ) -> zmq.Socket:
+    """A socket of `kind` with the transport's high-water marks and, when the transport has
+    a CURVE key, encryption and authentication (`server`: the side that binds)."""
     s = ctx.socket(kind)
     s.setsockopt(zmq.LINGER, linger_ms)
     s.setsockopt(zmq.SNDHWM, t.hwm)
     s.setsockopt(zmq.RCVHWM, t.hwm)
+    if t.curve is not None:
+        public, secret = t.curve
+        s.curve_publickey, s.curve_secretkey = public, secret
+        if server:
+            s.curve_server = True
+        else:
+            s.curve_serverkey = public
     return s
+
+
+class _SharedKeyOnly:
+    """ZAP policy: a CURVE client is let in only if it holds the deployment's key pair."""
+
+    def __init__(self, public: bytes):
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.public
+
+
+def bind_server(ctx: zmq.Context, sock: zmq.Socket, t: RelayTransport, endpoint: str, who: str):
+    """Bind `sock`; with CURVE start this context's authenticator first (returned, to stop
+    on close), without it warn when the endpoint is reachable from the network."""
+    auth = None
+    if t.curve is not None:
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        auth.configure_curve_callback("*", credentials_provider=_SharedKeyOnly(t.curve[0]))
+    elif not is_loopback(endpoint):
+        msg = (f"relay transport: {who} binds {endpoint} WITHOUT authentication or encryption: anyone who "
+               f"reaches it can read payloads and send control messages; set 'curve_secret_env'")
+        log.warning(msg)
+        warnings.warn(msg, stacklevel=3)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError:
+        if auth is not None:
+            auth.stop()
+        raise
+    return auth
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for tcp endpoints on a loopback address (reachable from this machine only)."""
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def dealer(ctx: zmq.Context, t: RelayTransport, role: str, endpoint: str, linger_ms: int = 0) -> zmq.Socket:
@@ -177,14 +227,14 @@ class RelayNode:
 
     def _main(self) -> None:
         t = self.t
-        self._ctx, self._coord, socks = zmq.Context(), None, []
+        self._ctx, self._coord, socks, auth = zmq.Context(), None, [], None
         try:
-            self._router = zsocket(self._ctx, zmq.ROUTER, t)
+            self._router = zsocket(self._ctx, zmq.ROUTER, t, server=True)
             socks.append(self._router)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # learn that an upstream peer is gone
             bind = t.nodes[self.index].get("bind", self.endpoint)
             try:
-                self._router.bind(bind)
+                auth = bind_server(self._ctx, self._router, t, bind, f"node {self.id}")
             except zmq.ZMQError as e:
                 raise TransportError(f"relay transport: node {self.id} cannot bind {bind}: {e}") from None
             self._local = _Link(LOCAL, self.id, self.endpoint, [self.id])
@@ -209,6 +259,8 @@ class RelayNode:
                 s.close(0)
             if self._coord is not None:
                 self._coord.close()  # with its linger, so the last replies (e.g. 'verified') leave
+            if auth is not None:
+                auth.stop()
             self._ctx.term()
 
     def _loop(self) -> None:
