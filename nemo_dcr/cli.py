@@ -75,9 +75,9 @@ def cmd_receive(args) -> int:
     transport = registry.transport(args.transport, json.loads(args.transport_config))
     end = transport.receiver(args.id)
     receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True))
+    params = sum(p.numel() for p in model.parameters())
     print(f"[{args.id}] serving version 0 from {args.checkpoint} "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s)",
-          flush=True)
+          f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s)", flush=True)
     try:
         receiver.serve_forever()
     finally:

@@ -148,7 +148,8 @@ class Cluster:
 
     def nodes_per_replica(self, dense_bytes: float) -> int:
         """Smallest node count whose memory holds the BF16 weights with 25% headroom."""
-        return min(self.receiver_nodes, max(1, math.ceil(dense_bytes * 1.25 / (self.receiver_memory_gb_per_node * 1e9))))
+        per_node = self.receiver_memory_gb_per_node * 1e9
+        return min(self.receiver_nodes, max(1, math.ceil(dense_bytes * 1.25 / per_node)))
 
 
 @dataclass

@@ -6,12 +6,13 @@ Topology: `nodes` is an ordered list of {"id": receiver_id, "endpoint": "tcp://h
 nodes fanout*i+1 .. fanout*i+fanout (`fanout`, default 2).
 
 The relay is the receiver end: `receiver(rx_id)` binds the node's ROUTER and starts one
-thread that owns all the node's sockets (`relay_node.RelayNode`, the forwarding engine). It hands each payload to the local Receiver
-through a bounded queue (`poll()`), forwards the same zmq frame (no copy) to each child,
-and acks it to its sender (producer or parent) only once the local Receiver `staged()` it
-and every child acked it. Acks carry the subtree's outcome (how many staged, who rejected
-and why, who was lost and why), so the root's ack means "staged on every node" and
-`flush` returns per-receiver rejections like the local transport.
+thread that owns all the node's sockets (`relay_node.RelayNode`, the forwarding engine).
+It hands each payload to the local Receiver through a bounded queue (`poll()`),
+forwards the same zmq frame (no copy) to each child, and acks it to its sender
+(producer or parent) only once the local Receiver `staged()` it and every child acked
+it. Acks carry the subtree's outcome (how many staged, who rejected and why, who was
+lost and why), so the root's ack means "staged on every node" and `flush` returns
+per-receiver rejections like the local transport.
 
 Back-pressure: a relay sends a child at most `window_bytes` / `window_payloads` unacked;
 it holds at most what its sender's window lets through (a producer's: max_in_flight_bytes).
