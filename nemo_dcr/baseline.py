@@ -4,16 +4,35 @@ Not the pre-step bits: a refit can fail or be skipped, and the next delta must b
 taken against what receivers actually hold. A transfer in flight keeps only its
 sparse changes as pending (positions + new bits), so the producer holds one dense
 copy of what it owns, not two; `commit()` scatters the pending changes in.
+
+File-backed baselines (`directory`) also survive a trainer crash. The ranges live in
+memory-mapped files; `seal()` writes a manifest (version, fingerprint, ranges);
+`persist_pending()` writes the transfer's changes to a journal *before* the coordinator
+may write the commit record; `commit()` scatters them in, then advances the manifest
+and drops the journal. A restarted trainer opens the directory with the version the
+commit log names: a journal for that version is replayed (the crash fell between the
+commit record and the manifest), a journal for any other version is dropped (it never
+committed), and the ranges are restored only when manifest version and fingerprint
+match. So after a restart the next transfer starts from exactly what receivers hold,
+whatever weights the trainer itself restarted from.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "baseline.json"
+JOURNAL = "journal"
 
 
 @dataclass
@@ -23,16 +42,22 @@ class _Pending:
 
 
 class Baseline:
-    """Committed bits per owned range, in RAM or file-backed (mmap)."""
+    """Committed bits per owned range, in RAM or file-backed (mmap, restorable)."""
 
-    def __init__(self, version: int = 0, directory: str | os.PathLike | None = None):
+    def __init__(self, version: int = 0, directory: str | os.PathLike | None = None, *,
+                 fingerprint: str | None = None):
         self.version = version
-        self.directory = directory
+        self.directory = None if directory is None else os.fspath(directory)
+        self.fingerprint = fingerprint
+        self.restored = False  # ranges came back from the directory (see `restore_note`)
+        self.restore_note = ""
         self._committed: dict[str, torch.Tensor] = {}
+        self._maps: dict[str, np.memmap] = {}  # file-backed ranges, flushed at commit
         self._pending: dict[str, _Pending] | None = None
         self._pending_target: int | None = None
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
+        if self.directory is not None:
+            os.makedirs(self.directory, exist_ok=True)
+            self._restore()
 
     def register(self, key: str, bits: torch.Tensor) -> None:
         """Record the committed bits of a range (a copy; `bits` is an integer bit view)."""
@@ -42,11 +67,10 @@ class Baseline:
         if self.directory is None:
             self._committed[key] = src.clone()
             return
-        path = os.path.join(self.directory, _file_name(key))
-        np_dtype = np.dtype(f"<i{src.element_size()}") if src.dtype != torch.uint8 else np.uint8
-        mm = np.memmap(path, dtype=np_dtype, mode="w+", shape=(src.numel(),))
+        mm = np.memmap(self._path(key), dtype=_np_dtype(src.dtype), mode="w+", shape=(src.numel(),))
         mm[:] = src.numpy()
         mm.flush()
+        self._maps[key] = mm
         self._committed[key] = torch.from_numpy(mm)
 
     def committed(self, key: str) -> torch.Tensor:
@@ -78,20 +102,142 @@ class Baseline:
         """Make the pending transfer's bits the committed baseline (joint commit)."""
         if self._pending is None:
             raise RuntimeError("commit() without a transfer in flight")
-        for key, p in self._pending.items():
-            if p.positions:
-                self._committed[key][torch.cat(p.positions)] = torch.cat(p.new)
+        for key, (positions, new) in self._merged().items():
+            self._committed[key][positions] = new
         self.version = self._pending_target
         self._pending = self._pending_target = None
+        if self.directory is not None:
+            for mm in self._maps.values():
+                mm.flush()
+            self._write_manifest()
+            shutil.rmtree(os.path.join(self.directory, JOURNAL), ignore_errors=True)
         return self.version
 
     def abort(self) -> None:
         """Drop the pending transfer; the committed version stays as it was."""
         self._pending = self._pending_target = None
+        if self.directory is not None:
+            shutil.rmtree(os.path.join(self.directory, JOURNAL), ignore_errors=True)
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
+
+    # --- durability (file-backed only) ---------------------------------------------
+
+    def seal(self) -> None:
+        """Write the manifest for the ranges registered so far (call once set-up is done)."""
+        if self.directory is not None:
+            self._write_manifest()
+
+    def persist_pending(self) -> None:
+        """Make the transfer's changes durable before its commit record can exist.
+
+        Written to `journal.tmp/` and renamed into place, so a journal is whole or absent.
+        """
+        if self.directory is None or self._pending is None:
+            return
+        tmp = os.path.join(self.directory, JOURNAL + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        entries = []
+        for i, (key, (positions, new)) in enumerate(sorted(self._merged().items())):
+            np.save(os.path.join(tmp, f"{i}.pos.npy"), positions.numpy())
+            np.save(os.path.join(tmp, f"{i}.new.npy"), new.numpy())
+            entries.append({"key": key, "index": i})
+        _write_json(os.path.join(tmp, "journal.json"), {"target": self._pending_target, "entries": entries})
+        final = os.path.join(self.directory, JOURNAL)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    def _merged(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {key: (torch.cat(p.positions), torch.cat(p.new)) for key, p in (self._pending or {}).items()
+                if p.positions}
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, _file_name(key))
+
+    def _write_manifest(self) -> None:
+        ranges = {k: {"file": _file_name(k), "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()}
+                  for k, t in self._committed.items()}
+        _write_json(os.path.join(self.directory, MANIFEST),
+                    {"version": self.version, "fingerprint": self.fingerprint, "ranges": ranges})
+
+    def _restore(self) -> None:
+        manifest = _read_json(os.path.join(self.directory, MANIFEST))
+        journal_dir = os.path.join(self.directory, JOURNAL)
+        journal = _read_json(os.path.join(journal_dir, "journal.json"))
+        shutil.rmtree(journal_dir + ".tmp", ignore_errors=True)  # a journal that was never whole
+        if manifest is None:
+            self.restore_note = "no baseline manifest in the directory"
+            shutil.rmtree(journal_dir, ignore_errors=True)
+            return
+        problem = None
+        if manifest.get("fingerprint") != self.fingerprint:
+            problem = "it was written for another layout, ownership or checkpoint (fingerprint differs)"
+        elif journal is not None and journal.get("target") == self.version == manifest.get("version", -1) + 1:
+            pass  # committed, but the crash came before the manifest moved on: replayed below
+        elif manifest.get("version") != self.version:
+            problem = f"it holds version {manifest.get('version')}, the commit log says {self.version}"
+        if problem is not None:
+            self.restore_note = f"baseline in {self.directory} not restored: {problem}"
+            log.warning(self.restore_note)
+            shutil.rmtree(journal_dir, ignore_errors=True)
+            return
+        try:
+            for key, r in manifest["ranges"].items():
+                dtype = getattr(torch, r["dtype"])
+                mm = np.memmap(os.path.join(self.directory, r["file"]), dtype=_np_dtype(dtype), mode="r+",
+                               shape=(int(r["numel"]),))
+                self._maps[key] = mm
+                self._committed[key] = torch.from_numpy(mm)
+            if journal is not None and journal.get("target") == self.version:
+                for e in journal["entries"]:
+                    pos = np.load(os.path.join(journal_dir, f"{e['index']}.pos.npy"), allow_pickle=False)
+                    new = np.load(os.path.join(journal_dir, f"{e['index']}.new.npy"), allow_pickle=False)
+                    self._committed[e["key"]][torch.from_numpy(pos)] = torch.from_numpy(new)
+                for mm in self._maps.values():
+                    mm.flush()
+                self._write_manifest()
+        except (OSError, KeyError, ValueError, AttributeError) as exc:
+            self._committed, self._maps = {}, {}
+            self.restore_note = f"baseline in {self.directory} not restored: unreadable ({exc})"
+            log.warning(self.restore_note)
+            return
+        finally:
+            shutil.rmtree(journal_dir, ignore_errors=True)
+        self.restored = True
+        self.restore_note = f"baseline version {self.version} restored from {self.directory}"
+
+
+def fingerprint(*parts) -> str:
+    """A stable digest of what a baseline was registered for (layout, ranges, checkpoint)."""
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def _np_dtype(dtype: torch.dtype) -> np.dtype:
+    width = torch.empty((), dtype=dtype).element_size()
+    return np.dtype(np.uint8) if dtype == torch.uint8 else np.dtype(f"<i{width}")
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        log.warning("unreadable %s: %s", path, exc)
+        return None
 
 
 def _file_name(key: str) -> str:

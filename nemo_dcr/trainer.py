@@ -9,14 +9,15 @@ gathers parameters.
 from __future__ import annotations
 
 import json
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_dcr.baseline import Baseline
+from nemo_dcr.baseline import Baseline, fingerprint
 from nemo_dcr.commit import Coordinator, Decision
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.errors import ConverterError, TransferFailed
@@ -90,6 +91,12 @@ class TrainerRefit:
 
     `params` (optional): this rank's whole local parameters by normalized name, read by
     the residual rules it produces; by default the owned ranges' live views reach them.
+
+    Restarts: when the commit log already holds a version v > 0, the producers need v's
+    bits as their baseline, not whatever weights the trainer restarted from. With
+    `baseline_dir` (one subdirectory per rank, memory-mapped, journaled) they come back
+    from disk; otherwise set-up refuses, unless `assume_committed=True` declares that the
+    model holds exactly version v's weights (e.g. it was saved when v committed).
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class TrainerRefit:
         baseline_dir: str | None = None,
         timeout_s: float = 300.0,
         params: dict[str, torch.Tensor] | None = None,
+        assume_committed: bool = False,
     ):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.specs = specs
@@ -124,7 +132,21 @@ class TrainerRefit:
             self.coordinator = Coordinator(transport.coordinator(), transport.commit_log(state_dir),
                                            timeout_s=timeout_s)
         version = bcast_json(self.coordinator.version if self.coordinator else None)
-        self.baseline = Baseline(version=version, directory=baseline_dir)
+        rank_dir = None if baseline_dir is None else os.path.join(baseline_dir, f"rank{self.rank:05d}-of-{self.world}")
+        self.baseline = Baseline(version=version, directory=rank_dir, fingerprint=fingerprint(
+            asdict(layout), sorted(r.key for r in owned), sorted(specs.items()), type(converter).__name__))
+        restored = gather_json(self.baseline.restored)
+        problem = None
+        if self.rank == 0 and version > 0 and not all(restored) and not assume_committed:
+            missing = [r for r, ok in enumerate(restored) if not ok]
+            problem = (f"the commit log is at version {version} but the committed baseline of rank(s) {missing[:8]} "
+                       f"is not available ({self.baseline.restore_note or 'no baseline_dir'}): a refit against "
+                       f"the current weights would leave receivers silently different. Keep baselines on disk "
+                       f"(baseline_dir), start a new lineage (a fresh state_dir and version-0 receivers), or pass "
+                       f"assume_committed=True if the model holds exactly version {version}'s weights")
+        problem = bcast_json(problem)
+        if problem:
+            raise TransferFailed(problem)
         self.producer_ids = [f"p{r}" for r in range(self.world)]
         self.end = transport.producer(self.producer_ids[self.rank])
         problem = None
@@ -134,6 +156,7 @@ class TrainerRefit:
         except (ConverterError, ValueError, KeyError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)
+        self.baseline.seal()
         dist.barrier()
 
     def _check_cover(self, maps, owned) -> None:
@@ -172,6 +195,7 @@ class TrainerRefit:
             self._decide(info, Decision(info.transfer_id, False, self.baseline.version, go["problems"]))
         try:
             report = self.producer.refit(info)
+            self.baseline.persist_pending()  # durable before rank 0 can write the commit record
         except Exception as e:  # noqa: BLE001 - any producer failure aborts the whole transfer
             report = ProducerReport(self.producer.id, error=f"{type(e).__name__}: {e}")
         reports = gather_json(report.to_json())

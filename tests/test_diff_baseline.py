@@ -55,7 +55,7 @@ def test_baseline_commit_and_abort(tmp_path, file_backed):
     with pytest.raises(ValueError, match="version 1 cannot start a transfer to 3"):
         b.begin(3)
     if file_backed:
-        assert len(list((tmp_path / "bl").iterdir())) == 1
+        assert sorted(f.suffix for f in (tmp_path / "bl").iterdir()) == [".bits", ".json"]  # the range, the manifest
 
 
 def test_baseline_rejects_double_registration():
@@ -63,3 +63,21 @@ def test_baseline_rejects_double_registration():
     b.register("k", torch.zeros(2, dtype=torch.int16))
     with pytest.raises(ValueError, match="registered twice"):
         b.register("k", torch.zeros(2, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8, torch.int8])
+@pytest.mark.parametrize("n", [64, 67, 1000, 12_345])
+@pytest.mark.parametrize("rate", [0.0, 0.01, 0.5, 1.0])
+def test_word_diff_matches_elementwise(dtype, n, rate):
+    """The CPU word-compare path gives exactly ne().nonzero(), for any length and offset."""
+    rng = np.random.default_rng(n)
+    old = torch.from_numpy(rng.integers(0, 100, n + 3)).to(dtype)
+    new = old.clone()
+    mask = torch.from_numpy(rng.random(n + 3) < rate)
+    new[mask] += 1
+    for lo in (0, 3):  # a slice that does not start on a word boundary
+        a, b = new[lo:lo + n], old[lo:lo + n]
+        d = diff(a, b)
+        ref = torch.ne(a, b).nonzero().view(-1)
+        assert torch.equal(d.positions, ref) and d.positions.dtype == torch.int64
+        assert torch.equal(d.new, a[ref]) and torch.equal(d.old, b[ref])
