@@ -10,12 +10,17 @@ Options (constructor keywords, also through `registry.converter(name, cfg, **opt
 * `zero_centered_norms=True`: every norm weight is stored zero-centred in training
   (Megatron `layernorm_zero_centered_gamma=True`, a TE-spec feature: the local spec
   rejects it) and as 1 + w in the checkpoint (`ZeroCenteredNorm`, a residual).
+* `fp8=True`: the canonical checkpoint is fine-grained FP8 (an FP8 rollout checkpoint):
+  every linear weight inside a decoder layer (q/k/v, o, gate/up, down) is an `FP8Block`
+  residual with targets `<weight>` (F8_E4M3) and `<weight>_scale_inv`; embeddings, norms,
+  biases and lm_head stay affine BF16. `fp8_block` (default: the config's
+  `quantization_config["weight_block_size"]`, else 128) is the block size. Registered
+  as "qwen3-fp8" / "llama-fp8".
 """
 
 from __future__ import annotations
 
 from nemo_dcr.converter import (
-    TableConverter,
     Dims,
     FusedQKV,
     GatedColumn,
@@ -23,10 +28,12 @@ from nemo_dcr.converter import (
     ResidualQKV,
     RowParallel,
     Rule,
+    TableConverter,
     Tied,
     VocabParallel,
     ZeroCenteredNorm,
 )
+from nemo_dcr.fp8 import FP8Block, fp8_targets
 
 ATTN = "decoder.layers.{L}.self_attention"
 HF_ATTN = "model.layers.{L}.self_attn"
@@ -35,8 +42,14 @@ HF_ATTN = "model.layers.{L}.self_attn"
 class LlamaConverter(TableConverter):
     family = "llama"
 
-    def __init__(self, hf_config, *, qkv_as_residual: bool = False, zero_centered_norms: bool = False):
-        self.qkv_as_residual, self.zero_centered_norms = qkv_as_residual, zero_centered_norms
+    def __init__(self, hf_config, *, qkv_as_residual: bool = False, zero_centered_norms: bool = False,
+                 fp8: bool = False, fp8_block=None):
+        self.qkv_as_residual, self.zero_centered_norms, self.fp8 = qkv_as_residual, zero_centered_norms, fp8
+        if fp8_block is None:
+            quant = getattr(hf_config, "quantization_config", None) or {}
+            quant = quant if isinstance(quant, dict) else quant.to_dict()
+            fp8_block = quant.get("weight_block_size") or 128
+        self.fp8_block = fp8_block
         super().__init__(hf_config)  # compiles rules(), which reads the options
 
     def dims(self) -> Dims:
@@ -50,18 +63,23 @@ class LlamaConverter(TableConverter):
         qkv_bias = tuple(f"{HF_ATTN}.{x}_proj.bias" for x in "qkv")
         fused_qkv = ResidualQKV if self.qkv_as_residual else FusedQKV
         norm = ZeroCenteredNorm if self.zero_centered_norms else Replicated
+
+        def linear(targets, inner):  # an in-layer linear weight: BF16 affine, or FP8 + scales
+            return (fp8_targets(*targets), FP8Block(inner, self.fp8_block)) if self.fp8 else (targets, inner)
+
+        fc1 = ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight")
         return [
             Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VocabParallel()),
             Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",), norm()),
-            Rule(f"{ATTN}.linear_qkv.weight", qkv, fused_qkv()),
+            Rule(f"{ATTN}.linear_qkv.weight", *linear(qkv, FusedQKV() if self.fp8 else fused_qkv())),
             Rule(f"{ATTN}.linear_qkv.bias", qkv_bias, fused_qkv()),
             Rule(f"{ATTN}.q_layernorm.weight", (f"{HF_ATTN}.q_norm.weight",), norm()),
             Rule(f"{ATTN}.k_layernorm.weight", (f"{HF_ATTN}.k_norm.weight",), norm()),
-            Rule(f"{ATTN}.linear_proj.weight", (f"{HF_ATTN}.o_proj.weight",), RowParallel()),
+            Rule(f"{ATTN}.linear_proj.weight", *linear((f"{HF_ATTN}.o_proj.weight",), RowParallel())),
             Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",), norm()),
-            Rule("decoder.layers.{L}.mlp.linear_fc1.weight",
-                 ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"), GatedColumn()),
-            Rule("decoder.layers.{L}.mlp.linear_fc2.weight", ("model.layers.{L}.mlp.down_proj.weight",), RowParallel()),
+            Rule("decoder.layers.{L}.mlp.linear_fc1.weight", *linear(fc1, GatedColumn())),
+            Rule("decoder.layers.{L}.mlp.linear_fc2.weight", *linear(("model.layers.{L}.mlp.down_proj.weight",),
+                                                                     RowParallel())),
             Rule("decoder.final_layernorm.weight", ("model.norm.weight",), norm()),
             Rule("output_layer.weight", ("model.embed_tokens.weight",), Tied(VocabParallel()))
             if tied else Rule("output_layer.weight", ("lm_head.weight",), VocabParallel()),
@@ -74,4 +92,13 @@ class LlamaQKVResidualConverter(LlamaConverter):
 
     def __init__(self, hf_config, **options):
         options.setdefault("qkv_as_residual", True)
+        super().__init__(hf_config, **options)
+
+
+class LlamaFP8Converter(LlamaConverter):
+    """The Llama / Qwen3 table for a fine-grained FP8 rollout checkpoint (registry names
+    "llama-fp8", "qwen3-fp8"): in-layer linear weights are `FP8Block` residuals."""
+
+    def __init__(self, hf_config, **options):
+        options.setdefault("fp8", True)
         super().__init__(hf_config, **options)
