@@ -1,10 +1,10 @@
-"""Wire codec, format v1: `Payload` <-> bytes. The full spec is docs/wire-format.md.
+"""Wire codec, format v2: `Payload` <-> bytes. The full spec is docs/wire-format.md.
 
 Byte layout (all integers little-endian):
 
     offset          size   field
     0               4      magic b"NDCR"
-    4               2      u16 format version (= 1)
+    4               2      u16 format version (= 2)
     6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
     8               4      u32 header length H
     12              H      header: JSON, UTF-8, sorted keys, no whitespace
@@ -15,6 +15,12 @@ Byte layout (all integers little-endian):
 
 B is `body_bytes` in the header. Each non-empty section is exactly one zstd frame that
 declares its content size; an empty section (raw length 0) has no frame at all.
+
+Encodings (v2): positions `gaps` (entropy-coded gaps: ANS-coded Rice quotients plus raw
+low bits), `runs` (v1's run varints), `all`, `dense` (xor/add values at every element,
+zeros dropped on decode); values `symbols` (an ANS-coded table of distinct values plus
+escapes) or `planes` (v1's byte planes). The encoder picks, per record, whichever is
+smallest on the wire; the decoded `Record` does not depend on that choice.
 
 `decode` validates everything - framing, checksum, HMAC, header schema, sizes, limits,
 every position and value - before it returns, so a receiver can reject a payload
@@ -39,22 +45,33 @@ from .errors import PayloadRejected
 from .positions import (
     MAX_NUMEL,
     PositionsError,
+    Reader,
     check_positions,
+    decode_gaps,
     decode_runs,
+    decode_symbols,
+    encode_gaps,
     encode_runs,
+    encode_symbols,
+    entropy_bits,
+    leb128_encode,
 )
 from .records import Op, Payload, PayloadHeader, Record
 
 MAGIC = b"NDCR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FLAG_HMAC = 0x0001
 _PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = _PREFIX.size  # 12
 CHECKSUM_BYTES = 16
 HMAC_BYTES = 32
 
-POSITION_ENCODINGS = ("runs", "all")
-VALUE_ENCODINGS = ("planes",)
+POSITION_ENCODINGS = ("gaps", "runs", "all", "dense")
+VALUE_ENCODINGS = ("symbols", "planes")
+# Literal values a `symbols` table may hold (one more symbol escapes to raw values).
+VALUE_ALPHABET = 1024
+# Records of at most this many changes also try the simple v1 encodings (runs, planes).
+_SMALL = 64
 
 _ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
 # Frames we write use far smaller windows (level 19: 8 MiB); a larger declared window
@@ -68,8 +85,10 @@ _TOP_KEYS = frozenset(
 )
 _RECORD_KEYS = frozenset({"count", "dtype", "name", "op", "positions", "shape", "values"})
 _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
-_POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "all": frozenset({"encoding"})}
-_VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"}}
+_POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps": _SECTION_KEYS | {"encoding"},
+                  "all": frozenset({"encoding"}), "dense": frozenset({"encoding"})}
+_VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
+               "symbols": _SECTION_KEYS | {"encoding", "width"}}
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,7 @@ class _RecordMeta:
     positions_encoding: str
     positions: _Section | None
     values: _Section
+    values_encoding: str = "planes"
 
 
 class _Bad(Exception):
@@ -142,12 +162,17 @@ class _Rejecting:
 # ======================================================================== encode
 
 
-def encode(payload: Payload, *, key: bytes | None = None, level: int = 1) -> bytes:
-    """Serialize `payload` (format v1). Raises ValueError on an invalid payload.
+def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto") -> bytes:
+    """Serialize `payload` (format v2). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
     level: zstd compression level for every section.
+    dense: "auto" sends an xor/add record densely (every element's value, zeros
+           included) when that is smaller on the wire; "never" / "always" force it
+           (for benchmarks). The decoded record is the same either way.
     """
+    if dense not in ("auto", "never", "always"):
+        raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
     h = payload.header
     _check_identity(h, ValueError)
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
@@ -156,14 +181,18 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1) -> byt
     seen: dict[str, list[Record]] = {}
     cursor = raw_total = 0
 
-    def add_section(raw: bytes) -> dict[str, int]:
+    def add_section(frame: bytes, raw_length: int) -> dict[str, int]:
         nonlocal cursor, raw_total
-        comp = cctx.compress(raw) if raw else b""
-        sec = {"offset": cursor, "length": len(comp), "raw_length": len(raw)}
-        sections.append(comp)
-        cursor += len(comp)
-        raw_total += len(raw)
+        sec = {"offset": cursor, "length": len(frame), "raw_length": raw_length}
+        sections.append(frame)
+        cursor += len(frame)
+        raw_total += raw_length
         return sec
+
+    def place(choice: _Choice | None) -> dict[str, Any]:
+        if choice is None:
+            return {}
+        return add_section(choice.frame, choice.raw_length)
 
     for r in payload.records:
         where = f"record {r.name!r}"
@@ -186,12 +215,9 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1) -> byt
         if vals.shape[0] != pos.shape[0]:
             raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
         count = int(pos.shape[0])
-        if count == numel and numel > 0:
-            pmeta: dict[str, Any] = {"encoding": "all"}
-        else:
-            pmeta = {"encoding": "runs", **add_section(encode_runs(pos))}
-        planes = np.ascontiguousarray(vals.view(np.uint8).reshape(count, dt.itemsize).T)
-        vmeta = {"encoding": "planes", "width": dt.itemsize, **add_section(planes.tobytes())}
+        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where)
+        pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
+        vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
                       "count": count, "positions": pmeta, "values": vmeta})
         for other in seen.get(r.name, []):
@@ -217,6 +243,154 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1) -> byt
     if key is not None:
         out += hmac.new(_key_bytes(key), out, hashlib.sha256).digest()
     return bytes(out)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    encoding: str
+    frame: bytes | None  # None: no section (positions "all" / "dense")
+    raw_length: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.frame) if self.frame else 0
+
+
+def _frame(encoding: str, raw: bytes, cctx: zstandard.ZstdCompressor) -> _Choice:
+    return _Choice(encoding, cctx.compress(raw) if raw else b"", len(raw))
+
+
+def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int,
+                   cctx: zstandard.ZstdCompressor, dense: str, where: str) -> tuple[_Choice, _Choice]:
+    """(positions, values) sections of one record: the smallest of the encodings that fit."""
+    count = int(pos.size)
+    if count == 0:  # no changes: an empty runs section and an empty planes section
+        return _Choice("runs", b"", 0), _Choice("planes", b"", 0)
+    if count == numel:
+        return _Choice("all", None), _best_values(vals, dt, cctx)
+    pchoice = _best_positions(pos, cctx)
+    vchoice = _best_values(vals, dt, cctx)
+    if dense == "never" or op is Op.OVERWRITE:
+        return pchoice, vchoice
+    # Dense: every element's xor/add value (0 where nothing changed); only plausible
+    # at high change rates, so "auto" tries it from 1 change in 16 elements up.
+    if dense == "always" or (count * 16 >= numel and numel <= (1 << 31)):
+        full = np.zeros(numel, dtype=dt.bits_numpy)
+        full[pos.astype(np.int64)] = vals
+        if np.count_nonzero(full) != count:
+            if dense == "always":
+                raise ValueError(f"{where}: a dense {op.value} record cannot carry a zero value")
+            return pchoice, vchoice
+        dchoice = _best_values(full, dt, cctx)
+        if dense == "always" or dchoice.size < pchoice.size + vchoice.size:
+            return _Choice("dense", None), dchoice
+    return pchoice, vchoice
+
+
+def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor) -> _Choice:
+    count = pos.size
+    best = _frame("gaps", encode_gaps(pos), cctx)
+    if count <= _SMALL or int(np.count_nonzero(np.diff(pos) != 1)) < count // 2:
+        runs = _frame("runs", encode_runs(pos), cctx)
+        if runs.size <= best.size:
+            best = runs
+    return best
+
+
+def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompressor) -> _Choice:
+    raw = encode_value_symbols(vals, dt.itemsize)
+    best = _frame("symbols", raw, cctx) if raw is not None else None
+    if best is None or vals.size <= _SMALL or best.size > vals.size * dt.itemsize // 2:
+        planes = np.ascontiguousarray(vals.view(np.uint8).reshape(vals.size, dt.itemsize).T)
+        alt = _frame("planes", planes.tobytes(), cctx)
+        if best is None or alt.size <= best.size:
+            best = alt
+    return best
+
+
+def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values ascending, their counts) of unsigned values of `width` bytes."""
+    if width <= 2 and vals.size:
+        counts = np.bincount(vals, minlength=1 << (8 * width)) if width == 1 else np.bincount(vals)
+        distinct = np.flatnonzero(counts)
+        return distinct.astype(np.dtype(f"<u{width}")), counts[distinct]
+    return np.unique(vals, return_counts=True)
+
+
+def values_entropy_bits(vals: np.ndarray, width: int) -> float:
+    """Empirical order-0 entropy of the values, in bits (sum over values of -log2 frequency)."""
+    return entropy_bits(value_histogram(vals, width)[1]) if vals.size else 0.0
+
+
+def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
+    """Raw `symbols` values section, or None when most values would escape.
+
+        varint L                 literal table size, 0..VALUE_ALPHABET
+        varint E                 1 if the last symbol (index L) is an escape, else 0
+        L x width bytes          the table: distinct values, strictly increasing (<u{width})
+        symbol stream            one symbol per value, alphabet L + E
+        width bytes per escape   the escaped values, in order (<u{width})
+    """
+    if vals.size == 0:
+        return None
+    bits = np.dtype(f"<u{width}")
+    distinct, counts = value_histogram(vals, width)
+    if distinct.size <= VALUE_ALPHABET:
+        table, escape = distinct, 0
+    else:  # the most frequent values that repeat; the rest escape
+        keep = np.argpartition(-counts, VALUE_ALPHABET - 1)[:VALUE_ALPHABET]
+        keep = keep[counts[keep] > 1]
+        table, escape = np.sort(distinct[keep]), 1
+        if counts[keep].sum() * 2 < vals.size:
+            return None
+    literal = table.size
+    if width <= 2:
+        lut = np.full(1 << (8 * width), literal, dtype=np.int32)
+        lut[table] = np.arange(literal, dtype=np.int32)
+        sym = lut[vals]
+    else:
+        idx = np.minimum(np.searchsorted(table, vals), max(literal - 1, 0)).astype(np.int32)
+        sym = np.where(table[idx] == vals, idx, np.int32(literal)) if literal else np.zeros(vals.size, np.int32)
+    alphabet = literal + escape
+    sym_counts = np.bincount(sym, minlength=alphabet)
+    out = [leb128_encode(np.array([literal, escape], np.uint64)).tobytes(),
+           table.astype(bits, copy=False).tobytes(), encode_symbols(sym, alphabet, sym_counts)]
+    if escape:
+        out.append(np.ascontiguousarray(vals[sym == literal]).astype(bits, copy=False).tobytes())
+    return b"".join(out)
+
+
+def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np.ndarray:
+    """m values (dt's unsigned bit view) from a raw `symbols` section; validates everything."""
+    w = dt.itemsize
+    rd = Reader(raw)
+    literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
+    escape = rd.varint(f"{where}: symbols escape flag", 1)
+    if literal + escape == 0:
+        raise PositionsError(f"{where}: symbols alphabet is empty")
+    table = rd.take(literal * w, f"{where}: symbols table").view(dt.bits_numpy)
+    if literal > 1 and np.any(table[1:] <= table[:-1]):
+        raise PositionsError(f"{where}: symbols table not strictly increasing")
+    sym, alphabet = decode_symbols(rd, m, literal + escape, f"{where}: symbols")
+    if alphabet != literal + escape:
+        raise PositionsError(f"{where}: symbol stream alphabet {alphabet} != table {literal} + escape {escape}")
+    ext = np.zeros(literal + escape, dtype=dt.bits_numpy)
+    ext[:literal] = table
+    vals = ext[sym]
+    if escape:
+        hit = np.flatnonzero(sym == literal)
+        vals[hit] = rd.take(hit.size * w, f"{where}: escaped values").view(dt.bits_numpy)
+    rd.done(f"{where}: symbols section")
+    return vals
+
+
+def choose_op(xor_values: np.ndarray, add_values: np.ndarray, width: int) -> Op:
+    """XOR or ADD, whichever codes smaller (estimated from the values' empirical entropy)."""
+    if xor_values.size == 0:
+        return Op.XOR
+    ex = values_entropy_bits(xor_values, width)
+    ea = values_entropy_bits(add_values, width)
+    return Op.ADD if ea < ex else Op.XOR
 
 
 def _positions_u64(positions: Any, where: str) -> np.ndarray:
@@ -513,19 +687,30 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits
     pobj = _fields(pobj, _POSITION_KEYS[penc], f"{where} positions")
     psec = None
     raw = 0
+    m = count  # values carried in the values section
+    decoded = 8 * count  # the positions array the decoder returns
     if penc == "all":
         if count != numel:
             raise _Bad(f"{where}: position encoding 'all' needs count == numel, got {count} != {numel}")
+    elif penc == "dense":
+        if op is Op.OVERWRITE:
+            raise _Bad(f"{where}: position encoding 'dense' needs op xor or add, not overwrite")
+        if not 0 < count <= numel:
+            raise _Bad(f"{where}: position encoding 'dense' needs 0 < count <= numel, got {count} of {numel}")
+        m = numel
     else:
         psec = _section(pobj, f"{where} positions", cursor, limits)
         cursor += psec.length
         raw += psec.raw_length
-        # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
-        lo, hi = (2, 20 * count) if count else (0, 0)
+        if penc == "runs":
+            # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
+            lo, hi = (2, 20 * count) if count else (0, 0)
+        else:  # gaps: at least shift, alphabet, one count, word count; at most ~32 bytes a gap
+            lo, hi = (4, 32 * count + 4096) if count else (1, 0)
+            decoded += 4 * count
         if not lo <= psec.raw_length <= hi:
             raise _Bad(f"{where}: positions raw size {psec.raw_length} impossible for count {count}")
-    if 8 * count > limits.max_raw_bytes:
-        raise _Bad(f"{where}: {count} decoded positions exceed limit max_raw_bytes={limits.max_raw_bytes}")
+    decoded += m * dt.itemsize
 
     vobj = rec["values"]
     venc = vobj.get("encoding") if isinstance(vobj, dict) else None
@@ -538,11 +723,19 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits
     vsec = _section(vobj, f"{where} values", cursor, limits)
     cursor += vsec.length
     raw += vsec.raw_length
-    if vsec.raw_length != count * width:
-        raise _Bad(f"{where}: values section holds {vsec.raw_length} bytes, "
-                   f"count {count} x width {width} needs {count * width} (values count != positions count)")
-    meta = _RecordMeta(name, dt, shape, numel, op, count, penc, psec, vsec)
-    return meta, cursor, raw, raw + 8 * count
+    if venc == "planes":
+        if vsec.raw_length != m * width:
+            raise _Bad(f"{where}: values section holds {vsec.raw_length} bytes, "
+                       f"{m} values x width {width} needs {m * width} (values count != positions count)")
+    else:
+        if m == 0 or not 4 <= vsec.raw_length <= (width + 24) * m + 16 * VALUE_ALPHABET:
+            raise _Bad(f"{where}: values raw size {vsec.raw_length} impossible for {m} symbols")
+        decoded += 4 * m
+    if decoded > limits.max_raw_bytes:
+        raise _Bad(f"{where}: {count} decoded positions and {m} values ({decoded} bytes) exceed limit "
+                   f"max_raw_bytes={limits.max_raw_bytes}")
+    meta = _RecordMeta(name, dt, shape, numel, op, count, penc, psec, vsec, venc)
+    return meta, cursor, raw, raw + decoded
 
 
 # ---------------------------------------------------------------- semantic checks
@@ -622,18 +815,37 @@ def _decompress(body: memoryview, sec: _Section, where: str,
 
 def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor) -> Record:
     where = f"record {m.name!r}"
-    if m.positions_encoding == "all":
-        pos = np.arange(m.count, dtype=np.uint64)
+    nvals = m.numel if m.positions_encoding == "dense" else m.count
+    if m.positions_encoding in ("all", "dense"):
+        pos = None
     else:
         assert m.positions is not None
         raw = _decompress(body, m.positions, f"{where} positions", dctx)
         try:
-            pos = decode_runs(raw, m.count, m.numel)
+            if m.positions_encoding == "runs":
+                pos = decode_runs(raw, m.count, m.numel)
+            else:
+                pos = decode_gaps(raw, m.count, m.numel)
         except PositionsError as e:
             raise _Bad(f"{where} positions: {e}") from None
     vraw = _decompress(body, m.values, f"{where} values", dctx)
     w = m.dtype.itemsize
-    planes = np.frombuffer(vraw, dtype=np.uint8).reshape(w, m.count)
-    # np.array copies: the caller gets writable arrays that own their memory.
-    vals = np.array(planes.T, order="C").view(m.dtype.bits_numpy).reshape(m.count)
+    if m.values_encoding == "symbols":
+        try:
+            vals = decode_value_symbols(vraw, nvals, m.dtype, where)
+        except PositionsError as e:
+            raise _Bad(f"{where} values: {e}") from None
+    else:
+        planes = np.frombuffer(vraw, dtype=np.uint8).reshape(w, nvals)
+        # np.array copies: the caller gets writable arrays that own their memory.
+        vals = np.array(planes.T, order="C").view(m.dtype.bits_numpy).reshape(nvals)
+    if m.positions_encoding == "dense":
+        nz = np.flatnonzero(vals)
+        if nz.size != m.count:
+            raise _Bad(f"{where}: dense values hold {nz.size} changes, header declares count {m.count}")
+        pos, vals = nz.astype(np.uint64), vals[nz]
+    elif pos is None:
+        pos = np.arange(m.count, dtype=np.uint64)
+    if not vals.flags.writeable:
+        vals = vals.copy()
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)

@@ -24,6 +24,8 @@ from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anyt
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 
+AUTO = "auto"  # Producer(op=AUTO): xor or add per record, whichever codes smaller
+
 
 @dataclass
 class ProducerReport:
@@ -48,10 +50,11 @@ class _PayloadBuilder:
     """Accumulates placed changes per canonical tensor until a payload is full."""
 
     def __init__(self):
-        self.parts: dict[tuple[str, Op], list[tuple[np.ndarray, np.ndarray]]] = {}
+        # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
+        self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, np.ndarray]]] = {}
         self.elements = 0
 
-    def add(self, name: str, op: Op, positions: np.ndarray, values: np.ndarray) -> None:
+    def add(self, name: str, op: Op | str, positions: np.ndarray, values) -> None:
         self.parts.setdefault((name, op), []).append((positions, values))
         self.elements += positions.size
 
@@ -59,7 +62,13 @@ class _PayloadBuilder:
         records = []
         for (name, op), parts in self.parts.items():
             pos = np.concatenate([p for p, _ in parts])
-            val = np.concatenate([v for _, v in parts])
+            if op == AUTO:
+                xv = np.concatenate([v[0] for _, v in parts])
+                av = np.concatenate([v[1] for _, v in parts])
+                op = codec.choose_op(xv, av, xv.dtype.itemsize)
+                val = xv if op is Op.XOR else av
+            else:
+                val = np.concatenate([v for _, v in parts])
             if pos.size > 1 and not np.all(pos[1:] > pos[:-1]):
                 order = np.argsort(pos, kind="stable")
                 pos, val = pos[order], val[order]
@@ -81,7 +90,7 @@ class Producer:
         baseline: Baseline,
         end: ProducerEnd,
         *,
-        op: Op = Op.XOR,
+        op: Op | str = Op.XOR,
         max_payload_elements: int = 1 << 20,
         chunk_elements: int = 1 << 22,
         key: bytes | None = None,
@@ -89,11 +98,14 @@ class Producer:
         params: dict[str, torch.Tensor] | None = None,
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
-        by default taken from the owned ranges' live views (see `_whole_param`)."""
-        if op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
+        by default taken from the owned ranges' live views (see `_whole_param`).
+        `op`: xor, add, overwrite, or "auto": per canonical tensor and payload, xor or
+        add, whichever codes smaller (docs/design-notes.md, "Codec")."""
+        if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
-        self.op, self.max_payload_elements, self.chunk = Op(op), max_payload_elements, chunk_elements
+        self.op = AUTO if op == AUTO else Op(op)
+        self.max_payload_elements, self.chunk = max_payload_elements, chunk_elements
         self.key, self.level = key, zstd_level
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
         self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
@@ -149,7 +161,7 @@ class Producer:
             payload_ids.append(header.payload_id)
             rep.wire_bytes += len(data)
 
-        def scan(key: str, current: torch.Tensor, amap: AffineMap, offset: int, op: Op) -> int:
+        def scan(key: str, current: torch.Tensor, amap: AffineMap, offset: int, op: Op | str) -> int:
             """Diff `current` against the committed bits under `key`, place the changes
             through `amap` (local index = offset + position) and queue them; returns
             the number of changed elements."""
@@ -166,13 +178,16 @@ class Producer:
                     continue
                 positions = delta.positions + lo
                 self.baseline.stage(key, positions, delta.new)
-                values = _unsigned({Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]())
+                if op == AUTO:
+                    both = (_unsigned(delta.xor()), _unsigned(delta.add()))
+                else:
+                    values = _unsigned({Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]())
                 changed += len(delta)
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
                 local = positions.cpu().numpy() + offset
                 for name, (cpos, src) in merge_placed(amap.place(local)).items():
-                    builder.add(name, op, cpos, values[src])
+                    builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src])
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
                 if builder.elements >= self.max_payload_elements:

@@ -19,3 +19,33 @@ def test_transport_benchmark_smoke(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert {r["transport"] for r in rows} == {"local", "relay", "s3"}
     assert all(r["best_s"] > 0 and r["receivers"] == 1 for r in rows)
+
+
+def _run(args, tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, *args, "--smoke", "--out", str(out)], cwd=REPO, env=worker_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert out.with_suffix(".png").exists()
+    return json.loads(out.read_text())
+
+
+def test_codec_benchmark_smoke(tmp_path):
+    res = _run(["benchmarks/codec.py"], tmp_path, "codec")
+    assert res["benchmark"] == "codec" and res["format_version"] == 2
+    for row in res["synthetic"]:
+        assert row["wire_bytes"] > 0 and row["bound_bytes"] > 0 and row["nemo_rl_bytes"] > 0
+        assert row["op"] in ("xor", "add") and 0 < row["rate"] < 1
+    assert res["real"] and all(r["one_payload_bytes"] > 0 and r["bound_bytes"] > 0 for r in res["real"])
+    rows = res["sweep"]["rows"]
+    assert rows and all({"sparse_bytes", "dense_bytes", "auto_bytes", "encode_s_auto"} <= r.keys() for r in rows)
+    assert "crossover_rate" in res["sweep"]
+
+
+def test_trainer_speed_benchmark_smoke(tmp_path):
+    res = _run(["benchmarks/trainer_speed.py"], tmp_path, "trainer_speed")
+    assert res["benchmark"] == "trainer_speed" and res["threads"] == 1
+    for row in res["rows"]:
+        assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
+        assert {"diff_gbs", "place_gbs", "encode_gbs", "ratio_to_memcpy", "wire_bytes"} <= row.keys()
+        assert row["op"] in ("xor", "auto")

@@ -1,0 +1,290 @@
+"""Codec benchmark: bytes on the wire vs the empirical entropy bound vs a NeMo-RL-style
+codec, on synthetic and real BF16 deltas; xor vs add; the sparse/dense crossover.
+
+    python benchmarks/codec.py            # ~3-6 minutes on 2 cores; results/codec.{json,png}
+    python benchmarks/codec.py --smoke    # seconds; tiny sizes (CI smoke)
+
+Entropy bound of one tensor's delta (k changed elements of n):
+  positions: min(log2 C(n, k), k * H(gaps)) bits, where H(gaps) is the empirical entropy
+             of the gap histogram (g_i = p_i - p_(i-1) - 1) -- the smaller of the two.
+  values:    k * H(values) bits, the empirical order-0 entropy of the xor (or add)
+             values' histogram, for the op this codec chose per tensor.
+Neither term charges for describing the model (counts, tables); the codec pays those.
+NeMo-RL-style reference: sorted positions as gaps (uint16 if all fit, else uint32) plus
+the XOR values as uint16, concatenated, then zstd level 1 (one frame per tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nemo_dcr import codec  # noqa: E402
+from nemo_dcr.positions import entropy_bits  # noqa: E402
+from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
+
+HDR = PayloadHeader("bench", 0, 1, "p0", "p0-0")
+
+
+def log2_binom(n: int, k: int) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2)
+
+
+def gaps_of(pos: np.ndarray) -> np.ndarray:
+    p = pos.astype(np.int64)
+    return np.diff(p, prepend=-1) - 1
+
+
+def position_bound_bits(pos: np.ndarray, n: int) -> tuple[float, float, float]:
+    """(bound, log2 C(n,k), k * H(gaps)) in bits."""
+    k = pos.size
+    if k == 0:
+        return 0.0, 0.0, 0.0
+    binom = log2_binom(n, k)
+    _, counts = np.unique(gaps_of(pos), return_counts=True)
+    hg = entropy_bits(counts)
+    return min(binom, hg), binom, hg
+
+
+def nemo_rl_style_bytes(pos: np.ndarray, xor_vals: np.ndarray) -> int:
+    """Sorted locations as uint16/uint32 gaps + XOR values, serialized, then zstd level 1."""
+    if pos.size == 0:
+        return 0
+    gaps = np.diff(pos.astype(np.int64), prepend=0)
+    gdt = np.uint16 if int(gaps.max()) < (1 << 16) else np.uint32
+    header = np.array([pos.size, np.dtype(gdt).itemsize], dtype=np.int64).tobytes()
+    blob = header + gaps.astype(gdt).tobytes() + xor_vals.astype(np.uint16).tobytes()
+    return len(zstandard.ZstdCompressor(level=1).compress(blob))
+
+
+def encode_record(name, n, op, pos, vals, dense="auto") -> tuple[int, float]:
+    rec = Record(name, "BF16", (n,), op, pos.astype(np.uint64), vals)
+    t = time.perf_counter()
+    data = codec.encode(Payload(HDR, [rec]), dense=dense)
+    return len(data), time.perf_counter() - t
+
+
+def ulp_delta(n: int, rate: float, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """old BF16 bits (N(0, 0.02) weights) and new = old +- 1 ULP at uniform random positions."""
+    old = (rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    pos = np.flatnonzero(rng.random(n) < rate)
+    step = np.where(rng.random(pos.size) < 0.5, 1, -1).astype(np.int32)
+    new = old.copy()
+    new[pos] = (old[pos].astype(np.int32) + step).astype(np.uint16)
+    return old, new, pos
+
+
+def analyse(name: str, n: int, pos: np.ndarray, old_v: np.ndarray, new_v: np.ndarray) -> dict:
+    """Sizes for one tensor's delta: ours (auto op, xor, add), bound, NeMo-RL-style."""
+    xv = (old_v ^ new_v).astype(np.uint16)
+    av = (new_v.astype(np.int32) - old_v.astype(np.int32)).astype(np.uint16)
+    op = codec.choose_op(xv, av, 2)
+    sx, tx = encode_record(name, n, Op.XOR, pos, xv)
+    sa, ta = encode_record(name, n, Op.ADD, pos, av)
+    ours, secs = (sx, tx) if op is Op.XOR else (sa, ta)
+    pb, binom, hg = position_bound_bits(pos, n)
+    hx, ha = codec.values_entropy_bits(xv, 2), codec.values_entropy_bits(av, 2)
+    vb = hx if op is Op.XOR else ha
+    bound = (pb + vb) / 8
+    return {"name": name, "numel": n, "changed": int(pos.size), "rate": pos.size / n, "op": op.value,
+            "wire_bytes": ours, "wire_xor": sx, "wire_add": sa, "encode_s": secs,
+            "bound_bytes": bound, "pos_bound_bits": pb, "pos_binom_bits": binom, "pos_gap_entropy_bits": hg,
+            "val_entropy_xor_bits": hx, "val_entropy_add_bits": ha,
+            "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv)}
+
+
+def synthetic(args, rng) -> list[dict]:
+    rows = []
+    for rate in args.rates:
+        old, new, pos = ulp_delta(args.n, rate, rng)
+        row = analyse(f"synthetic-{rate:g}", args.n, pos, old[pos], new[pos])
+        rows.append(row)
+        print(f"  synthetic {rate:>6.1%}: wire {row['wire_bytes']:>10,} B  bound {row['bound_bytes']:>12,.0f} B  "
+              f"x{row['wire_bytes'] / row['bound_bytes']:.3f}  NeMo-RL-style {row['nemo_rl_bytes']:>10,} B  "
+              f"x{row['wire_bytes'] / row['nemo_rl_bytes']:.3f}  op={row['op']}", flush=True)
+    return rows
+
+
+def real_model(args) -> list[dict]:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.set_num_threads(2)
+    if args.smoke:
+        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=512)
+        batch, seq = 2, 16
+    else:
+        cfg = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, vocab_size=32000)
+        batch, seq = 8, 128
+    out = []
+    for lr in args.lrs:
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(Qwen3Config(**cfg, tie_word_embeddings=False))  # FP32 master weights
+        nparams = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        gen = torch.Generator().manual_seed(1)
+
+        def snapshot():
+            return {k: v.detach().to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
+                    for k, v in model.state_dict().items()}
+
+        before = None
+        for step in range(args.steps):
+            if step == args.steps - 1:
+                before = snapshot()
+            ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=gen)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        after = snapshot()
+        rows = []
+        for name in before:
+            o, nw = before[name], after[name]
+            pos = np.flatnonzero(o != nw)
+            if pos.size:
+                rows.append(analyse(name, o.size, pos, o[pos], nw[pos]))
+        tot = {k: sum(r[k] for r in rows) for k in ("wire_bytes", "bound_bytes", "nemo_rl_bytes", "changed",
+                                                   "wire_xor", "wire_add")}
+        # The same records in one real payload (headers included), as a producer would send them.
+        payload = Payload(HDR, [])
+        for name in before:
+            o, nw = before[name], after[name]
+            pos = np.flatnonzero(o != nw)
+            if pos.size:
+                xv, av = (o[pos] ^ nw[pos]), (nw[pos] - o[pos]).astype(np.uint16)
+                op = codec.choose_op(xv, av, 2)
+                payload.records.append(Record(name, "BF16", (o.size,), op, pos.astype(np.uint64),
+                                              xv if op is Op.XOR else av))
+        one = len(codec.encode(payload))
+        res = {"lr": lr, "params": nparams, "steps": args.steps, "changed": tot["changed"],
+               "rate": tot["changed"] / nparams, "wire_bytes": tot["wire_bytes"], "one_payload_bytes": one,
+               "bound_bytes": tot["bound_bytes"], "nemo_rl_bytes": tot["nemo_rl_bytes"],
+               "wire_xor_only": tot["wire_xor"], "wire_add_only": tot["wire_add"],
+               "ops": {op: sum(1 for r in rows if r["op"] == op) for op in ("xor", "add")}, "tensors": rows}
+        out.append(res)
+        print(f"  real lr={lr:g} ({nparams / 1e6:.1f}M params, {res['rate']:.2%} changed): wire {one:,} B "
+              f"(one payload)  bound {res['bound_bytes']:,.0f} B  x{one / res['bound_bytes']:.3f}  NeMo-RL-style "
+              f"{res['nemo_rl_bytes']:,} B  x{one / res['nemo_rl_bytes']:.3f}", flush=True)
+    return out
+
+
+def sweep(args, rng) -> dict:
+    rows = []
+    n = args.sweep_n
+    for rate in args.sweep_rates:
+        old, new, pos = ulp_delta(n, rate, rng)
+        xv = (old[pos] ^ new[pos]).astype(np.uint16)
+        av = (new[pos].astype(np.int32) - old[pos].astype(np.int32)).astype(np.uint16)
+        op = codec.choose_op(xv, av, 2)
+        vals = xv if op is Op.XOR else av
+        sp, tsp = encode_record("w", n, op, pos, vals, dense="never")
+        de, tde = encode_record("w", n, op, pos, vals, dense="always")
+        au, tau = encode_record("w", n, op, pos, vals, dense="auto")
+        pb, _, _ = position_bound_bits(pos, n)
+        bound = (pb + codec.values_entropy_bits(vals, 2)) / 8
+        rows.append({"rate": rate, "changed": int(pos.size), "sparse_bytes": sp, "dense_bytes": de, "auto_bytes": au,
+                     "dense_raw_bf16_bytes": 2 * n, "bound_bytes": bound, "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv),
+                     "encode_s_sparse": tsp, "encode_s_dense": tde, "encode_s_auto": tau, "op": op.value})
+        print(f"  sweep {rate:>6.1%}: sparse {sp:>10,} B  dense {de:>10,} B  auto {au:>10,} B  "
+              f"bound {bound:>10,.0f} B  encode {tau * 1e3:7.1f} ms", flush=True)
+    cross = next((r["rate"] for r in rows if r["dense_bytes"] < r["sparse_bytes"]), None)
+    return {"numel": n, "rows": rows, "crossover_rate": cross}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax = axes[0]
+    syn = result["synthetic"]
+    x = np.arange(len(syn))
+    for i, (key, label) in enumerate([("wire_bytes", "NeMo-DCR v2"), ("bound_bytes", "entropy bound"),
+                                      ("nemo_rl_bytes", "NeMo-RL-style (gaps+xor, zstd-1)")]):
+        ax.bar(x + (i - 1) * 0.27, [r[key] / r["changed"] for r in syn], 0.27, label=label)
+    ax.set_xticks(x, [f"{r['rate']:.0%} synthetic" for r in syn])
+    ax.set_ylabel("bytes per changed element")
+    ax.set_title("Wire size, +-1 ULP BF16 deltas")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    sw = result["sweep"]["rows"]
+    rates = [r["rate"] for r in sw]
+    for key, label in [("sparse_bytes", "sparse"), ("dense_bytes", "dense (coded)"), ("auto_bytes", "auto"),
+                       ("bound_bytes", "entropy bound"), ("nemo_rl_bytes", "NeMo-RL-style"),
+                       ("dense_raw_bf16_bytes", "dense raw BF16")]:
+        ax.plot(rates, [r[key] / result["sweep"]["numel"] for r in sw], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("change rate")
+    ax.set_ylabel("wire bytes per tensor element")
+    ax.set_title(f"Scaling at {result['sweep']['numel']:,} elements")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (for CI)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "codec.json"))
+    args = ap.parse_args()
+    args.rates = [0.01, 0.03, 0.05]
+    args.n = 1 << 18 if args.smoke else 16 << 20
+    args.lrs = [1e-5] if args.smoke else [1e-6, 3e-6, 1e-5]
+    args.steps = 2
+    args.sweep_n = 1 << 16 if args.smoke else 4 << 20
+    args.sweep_rates = ([0.01, 0.1, 0.5] if args.smoke else
+                        [0.001, 0.003, 0.01, 0.03, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5])
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    print(f"[codec] synthetic deltas, {args.n:,} BF16 elements", flush=True)
+    syn = synthetic(args, rng)
+    print("[codec] real deltas: Qwen3-style model, AdamW, FP32 master weights, BF16 snapshots", flush=True)
+    real = real_model(args)
+    print(f"[codec] sweep 0.1%..50% at {args.sweep_n:,} elements", flush=True)
+    sw = sweep(args, rng)
+    result = {"benchmark": "codec", "smoke": args.smoke, "machine": {"python": platform.python_version(),
+              "platform": platform.platform(), "processor": platform.processor()},
+              "format_version": codec.FORMAT_VERSION, "synthetic": syn, "real": real, "sweep": sw,
+              "wall_s": time.perf_counter() - t0}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, out.with_suffix(".png"))
+    except ImportError:
+        print("(matplotlib missing: no plot)")
+    print("\n| data | change rate | wire bytes | entropy bound | wire/bound | NeMo-RL-style | wire/NeMo-RL | op |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in syn:
+        print(f"| synthetic +-1 ULP, {args.n:,} elts | {r['rate']:.2%} | {r['wire_bytes']:,} | "
+              f"{r['bound_bytes']:,.0f} | "
+              f"{r['wire_bytes'] / r['bound_bytes']:.3f} | {r['nemo_rl_bytes']:,} | "
+              f"{r['wire_bytes'] / r['nemo_rl_bytes']:.3f} | {r['op']} |")
+    for r in real:
+        print(f"| real, AdamW lr={r['lr']:g}, {r['params'] / 1e6:.1f}M params | {r['rate']:.2%} | "
+              f"{r['one_payload_bytes']:,} | {r['bound_bytes']:,.0f} | "
+              f"{r['one_payload_bytes'] / r['bound_bytes']:.3f} | "
+              f"{r['nemo_rl_bytes']:,} | {r['one_payload_bytes'] / r['nemo_rl_bytes']:.3f} | "
+              f"xor {r['ops']['xor']} / add {r['ops']['add']} tensors |")
+    print(f"\ndense crossover (coded dense < sparse) at change rate: {sw['crossover_rate']}")
+    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
