@@ -17,6 +17,7 @@ _FALLBACK = {
                             "identity": "nemo_dcr.converters.identity:IdentityConverter",
                             "qwen2": "nemo_dcr.converters.qwen2:Qwen2Converter",
                             "qwen3_moe": "nemo_dcr.converters.qwen3_moe:Qwen3MoeConverter",
+                            "mixtral": "nemo_dcr.converters.mixtral:MixtralConverter",
                             "llama-qkv-residual": "nemo_dcr.converters.llama:LlamaQKVResidualConverter",
                             "qwen3-qkv-residual": "nemo_dcr.converters.llama:LlamaQKVResidualConverter",
                             "llama-fp8": "nemo_dcr.converters.llama:LlamaFP8Converter",

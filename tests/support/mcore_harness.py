@@ -102,12 +102,14 @@ def build_trained_model(
     ep: int = 1,
     clip_grad: float = 1.0,
     weight_decay: float = 0.0,
+    sequence_parallel: bool = False,
 ):
     """(model chunks wrapped in megatron DDP, megatron optimizer) ready to train.
 
     Params are bf16, main grads fp32 (``grad_reduce_in_fp32``), Adam with fp32 main
     params (``OptimizerConfig(bf16=True)``). ``seed`` re-seeds the generators before
     the weights are initialised, so the same seed gives the same model for any TP/PP.
+    ``sequence_parallel``: Megatron SP (needs tp > 1; MoE layers need it to train at tp > 1).
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -126,7 +128,8 @@ def build_trained_model(
     overrides = {}
     if vpp is not None:
         overrides["virtual_pipeline_model_parallel_size"] = vpp
-    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, ep=ep, **overrides)
+    config = transformer_config_from_hf(hf_config, tp=tp, pp=pp, ep=ep, sequence_parallel=sequence_parallel,
+                                        **overrides)
     chunks = build_model_chunks(hf_config, config)
 
     ddp_config = DistributedDataParallelConfig(

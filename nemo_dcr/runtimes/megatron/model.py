@@ -1,4 +1,5 @@
-"""Build a megatron-core ``GPTModel`` that matches a Hugging Face Llama / Qwen2 / Qwen3 config.
+"""Build a megatron-core ``GPTModel`` that matches a Hugging Face Llama / Qwen2 / Qwen3 /
+Qwen3-MoE / Mixtral config.
 
 The model uses megatron-core's *local* (non-Transformer-Engine) layer spec
 (``get_gpt_layer_local_spec``), so it runs wherever torch runs:
@@ -25,6 +26,11 @@ num_experts_per_tok    moe_router_topk
 moe_intermediate_size  moe_ffn_hidden_size
 norm_topk_prob         True: softmax over the top-k logits (Megatron default);
                        False: moe_router_pre_softmax (softmax over all, then top-k)
+num_local_experts      num_moe_experts (Mixtral)
+intermediate_size      moe_ffn_hidden_size (Mixtral: every MLP is sparse)
+(Mixtral router)       softmax over all, top-k renormalised = softmax over the top-k
+                       logits (Megatron default); router_jitter_noise must be 0
+sliding_window         Mixtral: refused unless None (Qwen: use_sliding_window refused)
 =====================  ==========================================================
 
 MoE (Qwen3-MoE, ``model_type == "qwen3_moe"``): every layer sparse (``decoder_sparse_step
@@ -33,6 +39,12 @@ MoE (Qwen3-MoE, ``model_type == "qwen3_moe"``): every layer sparse (``decoder_sp
 (``moe_router_load_balancing_type="none"``; pass an override to train with one), the
 "allgather" token dispatcher, and expert-TP = 1 by default (each expert whole on one
 rank; ``expert_model_parallel_size`` comes from ``parallel_state`` or an override).
+Mixtral (``model_type == "mixtral"``) is built the same way: every layer sparse, no QK-norm.
+
+Norms: :class:`LocalRMSNorm` (torch RMSNorm) replaces the local spec's ``WrappedTorchNorm``
+in every layer and as the final norm, so sequence parallelism works without Transformer
+Engine: the weights of norms that see sequence-split activations are marked
+``sequence_parallel`` and Megatron's ``finalize_model_grads`` sums their grads over TP.
 
 Parameter names: :func:`megatron_param_name_map` gives every parameter of a
 rank's model chunks under its *normalized* name: wrapper prefixes ("module.")
@@ -55,6 +67,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 __all__ = [
     "padded_vocab_size",
+    "LocalRMSNorm",
     "rope_theta_of",
     "transformer_config_from_hf",
     "build_gpt_model",
@@ -121,8 +134,8 @@ def transformer_config_from_hf(
     pass ``overrides`` (any TransformerConfig field) to turn them on for GPU runs,
     or to set e.g. ``virtual_pipeline_model_parallel_size``.
 
-    Note: the local spec's ``WrappedTorchNorm`` rejects ``sequence_parallel=True``
-    in megatron-core 0.16.1; sequence parallelism needs the TE spec.
+    ``sequence_parallel=True`` works with :func:`build_gpt_model`'s norms (see
+    :class:`LocalRMSNorm`); MoE layers with TP > 1 need it to train.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -192,21 +205,38 @@ def transformer_config_from_hf(
 
 
 def _moe_fields(hf_config) -> dict:
-    """TransformerConfig MoE fields for a Qwen3-MoE style config ({} for dense models)."""
+    """TransformerConfig MoE fields for a Qwen3-MoE or Mixtral config ({} for dense models)."""
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if not experts:
         return {}
-    if getattr(hf_config, "model_type", "") != "qwen3_moe":
-        raise Unsupported(f"MoE model_type {hf_config.model_type!r}: only qwen3_moe is supported")
-    if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
-        raise Unsupported("dense layers between MoE layers (decoder_sparse_step / mlp_only_layers) are not supported")
-    if getattr(hf_config, "shared_expert_intermediate_size", 0):
-        raise Unsupported("shared experts are not supported")
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type == "qwen3_moe":
+        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
+            raise Unsupported("dense layers between MoE layers (decoder_sparse_step / mlp_only_layers) "
+                              "are not supported")
+        if getattr(hf_config, "shared_expert_intermediate_size", 0):
+            raise Unsupported("shared experts are not supported")
+        expert_ffn = hf_config.moe_intermediate_size
+        pre_softmax = not bool(getattr(hf_config, "norm_topk_prob", True))
+    elif model_type == "mixtral":
+        # HF's jitter multiplies the experts' inputs too (in training); Megatron's
+        # moe_input_jitter_eps only jitters the router's input: not the same model.
+        if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+            raise Unsupported(f"Mixtral router_jitter_noise={hf_config.router_jitter_noise}: only 0 is supported")
+        if getattr(hf_config, "sliding_window", None) is not None:  # Mixtral has no on/off flag: a size means on
+            raise Unsupported(f"Mixtral sliding_window={hf_config.sliding_window}: sliding-window attention "
+                              "is not supported")
+        expert_ffn = hf_config.intermediate_size
+        # HF: softmax over all experts, top-k, renormalised over the k = a softmax over
+        # the top-k logits, Megatron's default.
+        pre_softmax = False
+    else:
+        raise Unsupported(f"MoE model_type {model_type!r}: only qwen3_moe and mixtral are supported")
     return {
         "num_moe_experts": int(experts),
         "moe_router_topk": int(hf_config.num_experts_per_tok),
-        "moe_ffn_hidden_size": int(hf_config.moe_intermediate_size),
-        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", True)),
+        "moe_ffn_hidden_size": int(expert_ffn),
+        "moe_router_pre_softmax": pre_softmax,
         "moe_router_score_function": "softmax",
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,
@@ -216,6 +246,51 @@ def _moe_fields(hf_config) -> dict:
         "moe_permute_fusion": False,
         "expert_tensor_parallel_size": 1,
     }
+
+
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built like the local spec's ``WrappedTorchNorm`` (same
+    parameters and numerics), but also correct under sequence parallelism.
+
+    With SP each TP rank normalises only its slice of the sequence, so the weight's grad
+    is a partial sum; megatron-core's ``finalize_model_grads`` sums over TP the grads of
+    parameters whose ``sequence_parallel`` attribute is true (what TE / Apex norms set).
+    ``sequence_split=False`` is for q/k norms: they act on TP-split heads of the whole
+    sequence, and ``finalize_model_grads`` already sums them (by name, under
+    ``qk_layernorm``), so they must not be marked.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, sequence_split: bool = True, **_unused):
+        if config.normalization != "RMSNorm":
+            raise Unsupported(f"normalization {config.normalization!r}: the local-spec norm is RMSNorm only")
+        for flag in ("layernorm_zero_centered_gamma", "persist_layer_norm", "memory_efficient_layer_norm"):
+            if getattr(config, flag, False):
+                raise Unsupported(f"{flag}=True is not supported by the local (torch) norm")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel and sequence_split)
+
+
+def _local_spec(config, vp_stage: int | None):
+    """The local GPT layer spec with :class:`LocalRMSNorm` for every norm, as block
+    submodules (so the final norm is ours too)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm, normalization=config.normalization,
+    )
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = LocalRMSNorm
+    if config.qk_layernorm:
+        attn = sub.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = ModuleSpec(module=LocalRMSNorm, params={"sequence_split": False})
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=LocalRMSNorm)
 
 
 def build_gpt_model(
@@ -241,7 +316,6 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if config is None:
         config = transformer_config_from_hf(
@@ -254,13 +328,9 @@ def build_gpt_model(
     elif config_overrides:
         raise TypeError("pass either config or config overrides, not both")
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm, normalization=config.normalization,
-    )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=_local_spec(config, vp_stage),
         vocab_size=padded_vocab_size(
             hf_config.vocab_size, config.tensor_model_parallel_size, make_vocab_size_divisible_by
         ),
@@ -275,7 +345,7 @@ def build_gpt_model(
         vp_stage=vp_stage,
     )
     if config.bf16 or config.fp16:
-        # The local spec's norms (torch.nn.RMSNorm via WrappedTorchNorm) are created in
+        # The norms (torch.nn.RMSNorm, LocalRMSNorm) are created in
         # torch's default dtype (fp32). Megatron-LM casts the whole module to 16 bits
         # (Float16Module: module.bfloat16()); do the same so every param, like every
         # tensor of the HF checkpoint, is params_dtype. RoPE's inv_freq is a plain
