@@ -1,10 +1,10 @@
-"""Wire codec, format v2: `Payload` <-> bytes. The full spec is docs/wire-format.md.
+"""Wire codec, format v3: `Payload` <-> bytes. The full spec is docs/wire-format.md.
 
 Byte layout (all integers little-endian):
 
     offset          size   field
     0               4      magic b"NDCR"
-    4               2      u16 format version (= 2)
+    4               2      u16 format version (= 3)
     6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
     8               4      u32 header length H
     12              H      header: JSON, UTF-8, sorted keys, no whitespace
@@ -42,32 +42,35 @@ import zstandard
 
 from . import dtypes
 from .errors import PayloadRejected
+from . import kernels
 from .positions import (
     MAX_NUMEL,
     PositionsError,
     Reader,
     check_positions,
     decode_gaps,
+    decode_gaps_rans,
+    decode_rans,
     decode_runs,
     decode_symbols,
-    encode_gaps,
+    encode_gaps_rans,
+    encode_rans,
     encode_runs,
-    encode_symbols,
     entropy_bits,
     leb128_encode,
 )
 from .records import Op, Payload, PayloadHeader, Record
 
 MAGIC = b"NDCR"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FLAG_HMAC = 0x0001
 _PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = _PREFIX.size  # 12
 CHECKSUM_BYTES = 16
 HMAC_BYTES = 32
 
-POSITION_ENCODINGS = ("gaps", "runs", "all", "dense")
-VALUE_ENCODINGS = ("symbols", "planes")
+POSITION_ENCODINGS = ("gaps_rans", "gaps", "runs", "all", "dense")
+VALUE_ENCODINGS = ("symbols_rans", "symbols", "planes")
 # Literal values a `symbols` table may hold (one more symbol escapes to raw values).
 VALUE_ALPHABET = 1024
 # Records of at most this many changes also try the simple v1 encodings (runs, planes).
@@ -86,9 +89,11 @@ _TOP_KEYS = frozenset(
 _RECORD_KEYS = frozenset({"count", "dtype", "name", "op", "positions", "shape", "values"})
 _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
 _POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps": _SECTION_KEYS | {"encoding"},
+                  "gaps_rans": _SECTION_KEYS | {"encoding"},
                   "all": frozenset({"encoding"}), "dense": frozenset({"encoding"})}
 _VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
-               "symbols": _SECTION_KEYS | {"encoding", "width"}}
+               "symbols": _SECTION_KEYS | {"encoding", "width"},
+               "symbols_rans": _SECTION_KEYS | {"encoding", "width"}}
 
 
 @dataclass(frozen=True)
@@ -289,8 +294,9 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
 
 def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor) -> _Choice:
     count = pos.size
-    best = _frame("gaps", encode_gaps(pos), cctx)
-    if count <= _SMALL or int(np.count_nonzero(np.diff(pos) != 1)) < count // 2:
+    raw, adjacent = encode_gaps_rans(pos)
+    best = _frame("gaps_rans", raw, cctx)
+    if count <= _SMALL or (count - 1 - adjacent) < count // 2:  # runs: when mostly adjacent
         runs = _frame("runs", encode_runs(pos), cctx)
         if runs.size <= best.size:
             best = runs
@@ -299,7 +305,7 @@ def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor) -> _Choice:
 
 def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompressor) -> _Choice:
     raw = encode_value_symbols(vals, dt.itemsize)
-    best = _frame("symbols", raw, cctx) if raw is not None else None
+    best = _frame("symbols_rans", raw, cctx) if raw is not None else None
     if best is None or vals.size <= _SMALL or best.size > vals.size * dt.itemsize // 2:
         planes = np.ascontiguousarray(vals.view(np.uint8).reshape(vals.size, dt.itemsize).T)
         alt = _frame("planes", planes.tobytes(), cctx)
@@ -311,7 +317,8 @@ def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompres
 def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values ascending, their counts) of unsigned values of `width` bytes."""
     if width <= 2 and vals.size:
-        counts = np.bincount(vals, minlength=1 << (8 * width)) if width == 1 else np.bincount(vals)
+        counts = np.zeros(1 << (8 * width), np.int64)
+        kernels.histogram(np.ascontiguousarray(vals).view(f"<u{width}"), counts.size, counts)
         distinct = np.flatnonzero(counts)
         return distinct.astype(np.dtype(f"<u{width}")), counts[distinct]
     return np.unique(vals, return_counts=True)
@@ -323,12 +330,12 @@ def values_entropy_bits(vals: np.ndarray, width: int) -> float:
 
 
 def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
-    """Raw `symbols` values section, or None when most values would escape.
+    """Raw `symbols_rans` values section, or None when most values would escape.
 
         varint L                 literal table size, 0..VALUE_ALPHABET
         varint E                 1 if the last symbol (index L) is an escape, else 0
         L x width bytes          the table: distinct values, strictly increasing (<u{width})
-        symbol stream            one symbol per value, alphabet L + E
+        rANS stream              one symbol per value, alphabet L + E (positions.encode_rans)
         width bytes per escape   the escaped values, in order (<u{width})
     """
     if vals.size == 0:
@@ -345,23 +352,28 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
             return None
     literal = table.size
     if width <= 2:
-        lut = np.full(1 << (8 * width), literal, dtype=np.int32)
-        lut[table] = np.arange(literal, dtype=np.int32)
-        sym = lut[vals]
+        lut = np.full(1 << (8 * width), literal, dtype=np.int16)
+        lut[table] = np.arange(literal, dtype=np.int16)
+        sym = np.empty(vals.size, np.int16)
+        kernels.map_symbols(vals, lut, sym)
     else:
         idx = np.minimum(np.searchsorted(table, vals), max(literal - 1, 0)).astype(np.int32)
         sym = np.where(table[idx] == vals, idx, np.int32(literal)) if literal else np.zeros(vals.size, np.int32)
     alphabet = literal + escape
-    sym_counts = np.bincount(sym, minlength=alphabet)
+    if escape:
+        sym_counts = np.bincount(sym, minlength=alphabet)
+    else:
+        sym_counts = counts
     out = [leb128_encode(np.array([literal, escape], np.uint64)).tobytes(),
-           table.astype(bits, copy=False).tobytes(), encode_symbols(sym, alphabet, sym_counts)]
+           table.astype(bits, copy=False).tobytes(), encode_rans(sym, sym_counts)]
     if escape:
         out.append(np.ascontiguousarray(vals[sym == literal]).astype(bits, copy=False).tobytes())
     return b"".join(out)
 
 
-def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np.ndarray:
-    """m values (dt's unsigned bit view) from a raw `symbols` section; validates everything."""
+def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str, *, rans: bool = True) -> np.ndarray:
+    """m values (dt's unsigned bit view) from a raw `symbols_rans` (or, rans=False, v2
+    `symbols`) section; validates everything."""
     w = dt.itemsize
     rd = Reader(raw)
     literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
@@ -371,12 +383,16 @@ def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np
     table = rd.take(literal * w, f"{where}: symbols table").view(dt.bits_numpy)
     if literal > 1 and np.any(table[1:] <= table[:-1]):
         raise PositionsError(f"{where}: symbols table not strictly increasing")
-    sym, alphabet = decode_symbols(rd, m, literal + escape, f"{where}: symbols")
+    if rans:
+        sym, alphabet = decode_rans(rd, m, literal + escape, f"{where}: symbols", np.int16)
+    else:
+        sym, alphabet = decode_symbols(rd, m, literal + escape, f"{where}: symbols")
     if alphabet != literal + escape:
         raise PositionsError(f"{where}: symbol stream alphabet {alphabet} != table {literal} + escape {escape}")
     ext = np.zeros(literal + escape, dtype=dt.bits_numpy)
     ext[:literal] = table
-    vals = ext[sym]
+    vals = np.empty(m, dtype=dt.bits_numpy)
+    kernels.lookup(sym, ext, vals)
     if escape:
         hit = np.flatnonzero(sym == literal)
         vals[hit] = rd.take(hit.size * w, f"{where}: escaped values").view(dt.bits_numpy)
@@ -705,7 +721,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits
         if penc == "runs":
             # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
             lo, hi = (2, 20 * count) if count else (0, 0)
-        else:  # gaps: at least shift, alphabet, one count, word count; at most ~32 bytes a gap
+        else:  # gaps(_rans): at least shift, alphabet, one count, word count; at most ~32 bytes a gap
             lo, hi = (4, 32 * count + 4096) if count else (1, 0)
             decoded += 4 * count
         if not lo <= psec.raw_length <= hi:
@@ -824,15 +840,17 @@ def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompr
         try:
             if m.positions_encoding == "runs":
                 pos = decode_runs(raw, m.count, m.numel)
+            elif m.positions_encoding == "gaps_rans":
+                pos = decode_gaps_rans(raw, m.count, m.numel)
             else:
                 pos = decode_gaps(raw, m.count, m.numel)
         except PositionsError as e:
             raise _Bad(f"{where} positions: {e}") from None
     vraw = _decompress(body, m.values, f"{where} values", dctx)
     w = m.dtype.itemsize
-    if m.values_encoding == "symbols":
+    if m.values_encoding in ("symbols", "symbols_rans"):
         try:
-            vals = decode_value_symbols(vraw, nvals, m.dtype, where)
+            vals = decode_value_symbols(vraw, nvals, m.dtype, where, rans=m.values_encoding == "symbols_rans")
         except PositionsError as e:
             raise _Bad(f"{where} values: {e}") from None
     else:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nemo_dcr import kernels as _kernels
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -44,6 +46,11 @@ class Piece:
 
     def canonical_index(self, local: np.ndarray) -> np.ndarray:
         """Canonical flat indices of local flat indices inside this piece (int64)."""
+        if _kernels.HAVE_NUMBA and local.dtype == np.int64 and local.ndim == 1:
+            out = np.empty(local.size, np.int64)  # one compiled pass, one division per block row
+            _kernels.affine_index(np.ascontiguousarray(local), self.local_start, self.cols, self.offset,
+                                  self.row_stride, out)
+            return out
         rel = local - self.local_start
         r, c = np.divmod(rel, self.cols)
         return self.offset + r * self.row_stride + c
@@ -195,7 +202,8 @@ def merge_placed(placed: list[tuple[str, np.ndarray, np.ndarray]]):
         if pos.size > 1 and not np.all(pos[1:] > pos[:-1]):
             order = np.argsort(pos, kind="stable")
             pos, src = pos[order], src[order]
-        merged[name] = (pos.astype(np.uint64, copy=False), src)
+        # Canonical positions are >= 0: an int64 array is reinterpreted, not copied.
+        merged[name] = (pos.view(np.uint64) if pos.dtype == np.int64 else pos.astype(np.uint64, copy=False), src)
     return merged
 
 

@@ -167,6 +167,9 @@ def check_positions(positions: np.ndarray, numel: int) -> str | None:
         return f"positions must be 1-D, got shape {positions.shape}"
     if positions.size == 0:
         return None
+    if (_k.HAVE_NUMBA and positions.dtype == _U64 and positions.flags.c_contiguous
+            and _k.strictly_increasing_below(positions.view(np.int64), numel - 1) == 0):
+        return None  # one compiled pass; on a failure the numpy checks below name it
     if np.any(positions[1:] <= positions[:-1]):
         return "positions not strictly increasing"
     if int(positions[-1]) >= numel:
@@ -442,3 +445,162 @@ def decode_gaps(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
         raise PositionsError(f"position {int(pos[-1]) - 1} >= numel {numel}")
     pos -= _U64(1)
     return pos
+
+
+# ================================================================ format v3: rANS streams
+#
+# A *rANS stream* codes m symbols from {0 .. A-1} like a symbol stream, but with the
+# package's own coder (nemo_dcr.kernels, compiled with numba): a static model quantised
+# to 2**16, two interleaved 32-bit rANS states, 16-bit words. Layout:
+#
+#     varint A                      alphabet size, 1 <= A <= max_alphabet
+#     A varints                     quantised frequency of each symbol, 0..2**16; sum 2**16
+#     varint W                      number of 16-bit words: 0 when one frequency is 2**16,
+#                                   otherwise >= 4
+#     W x u16 little-endian         x0 (low, high), x1 (low, high), renormalisation words
+#
+# Symbol i is coded by state i % 2. The decoder checks the table before it allocates,
+# decodes exactly m symbols, and requires both states to end at 2**16 with every word
+# read. Quantisation (`quantize`) is integer-only, so it is part of the format and the
+# same everywhere.
+
+from . import kernels as _k  # noqa: E402
+
+RANS_SCALE = _k.PROB_SCALE
+
+
+def quantize(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to 2**16 for symbol counts (>= 2 non-zero): floor(c * 2**16 / m),
+    raised to 1 where c > 0; the remainder goes to the first most frequent symbol, and
+    an excess is taken from the currently largest frequencies (first first), keeping >= 1."""
+    c = [int(x) for x in np.asarray(counts).tolist()]
+    m = sum(c)
+    freq = [(x * RANS_SCALE) // m for x in c]
+    for i, x in enumerate(c):
+        if x and not freq[i]:
+            freq[i] = 1
+    diff = RANS_SCALE - sum(freq)
+    big = max(range(len(c)), key=lambda i: (c[i], -i))
+    if freq[big] + diff >= 1:
+        freq[big] += diff
+    else:
+        while diff < 0:
+            i = max(range(len(freq)), key=lambda j: (freq[j], -j))
+            take = min(freq[i] - 1, -diff)
+            freq[i] -= take
+            diff += take
+    return np.array(freq, dtype=np.int64)
+
+
+def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
+    """rANS stream (see above) of `symbols` (ints in [0, len(counts))) with these counts."""
+    counts = np.asarray(counts, dtype=np.int64)
+    alphabet = counts.size
+    nz = np.flatnonzero(counts)
+    if nz.size <= 1:
+        freq = np.zeros(alphabet, np.int64)
+        if nz.size:
+            freq[nz[0]] = RANS_SCALE
+        return leb128_encode(np.concatenate(([alphabet], freq, [0])).astype(_U64)).tobytes()
+    freq = quantize(counts)
+    cum = np.zeros(alphabet, np.int64)
+    np.cumsum(freq[:-1], out=cum[1:])
+    out = np.empty(symbols.size + 4, dtype="<u2")
+    start = _k.rans_encode(symbols, freq, cum, out)
+    words = out[start:]
+    head = leb128_encode(np.concatenate(([alphabet], freq, [words.size])).astype(_U64)).tobytes()
+    return head + words.tobytes()
+
+
+def decode_rans(r: Reader, m: int, max_alphabet: int, what: str, out_dtype=np.int32) -> tuple[np.ndarray, int]:
+    """(m symbols, alphabet size) from a rANS stream at the reader's cursor."""
+    alphabet = r.varint(f"{what} alphabet size", max_alphabet)
+    if alphabet < 1:
+        raise PositionsError(f"{what}: empty alphabet")
+    freq = r.varints(alphabet, f"{what} frequencies")
+    if np.any(freq > _U64(RANS_SCALE)) or int(freq.sum(dtype=_U64)) != RANS_SCALE:
+        raise PositionsError(f"{what}: frequencies do not sum to {RANS_SCALE}")
+    nwords = r.varint(f"{what} word count", r.left // 2)
+    nonzero = np.flatnonzero(freq)
+    if nonzero.size == 1:
+        if nwords:
+            raise PositionsError(f"{what}: a one-symbol stream carries no words")
+        return np.full(m, nonzero[0], dtype=out_dtype), alphabet
+    if nwords < 4:
+        raise PositionsError(f"{what}: malformed rANS stream ({nwords} words)")
+    words = r.take(2 * nwords, f"{what} words").view("<u2")
+    freq = freq.astype(np.int64)
+    cum = np.zeros(alphabet, np.int64)
+    np.cumsum(freq[:-1], out=cum[1:])
+    slot2sym = np.repeat(np.arange(alphabet, dtype=out_dtype), freq)
+    sym = np.empty(m, dtype=out_dtype)
+    status = _k.rans_decode(words, freq, cum, slot2sym, sym)
+    if status:
+        why = {-1: "bad initial state", -2: "words run out",
+               -3: "stream does not end where its symbols do"}.get(status, "corrupt")
+        raise PositionsError(f"{what}: corrupt rANS stream ({why})")
+    return sym, alphabet
+
+
+def _sample_gaps(p: np.ndarray) -> np.ndarray:
+    """At most ~2**14 gaps of sorted int64 positions, evenly spread (shift choice only)."""
+    step = max(1, p.size >> 14)
+    if step == 1:
+        g = np.empty_like(p)
+        g[0] = p[0]
+        np.subtract(p[1:], p[:-1], out=g[1:])
+        g[1:] -= 1
+        return g
+    idx = np.arange(0, p.size - 1, step)
+    return p[idx + 1] - p[idx] - 1
+
+
+def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
+    """Raw `gaps_rans` section for sorted, validated positions (count >= 1), and the
+    number of later gaps equal to 0 (positions adjacent to the previous one).
+
+        varint r                     Rice shift, 0..63
+        rANS stream                  quotients min(g >> r, 255) of the gaps, A <= 256
+        ceil(count*r/8) bytes        the r low bits of every gap, MSB first, zero-padded
+        varints                      for each quotient symbol 255: (g >> r) - 255
+
+    with g_0 = p_0, g_i = p_i - p_(i-1) - 1 (the layout of `gaps`, another stream)."""
+    p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63
+    n = p.size
+    r = _choose_shift(_sample_gaps(p))
+    esc = _SYMBOL_CAP_POSITIONS - 1
+    sym = np.empty(n, np.uint8)
+    counts = np.zeros(_SYMBOL_CAP_POSITIONS, np.int64)
+    low = np.empty((n * r + 7) // 8, np.uint8)
+    excess = np.empty(n, np.int64)
+    nb, ne, zeros = _k.gaps_split(p, r, esc, sym, counts, low, excess)
+    alphabet = int(np.flatnonzero(counts)[-1]) + 1
+    out = [leb128_encode(np.array([r], _U64)).tobytes(), encode_rans(sym, counts[:alphabet]),
+           low[:nb].tobytes()]
+    if ne:
+        out.append(leb128_encode(excess[:ne].astype(_U64)).tobytes())
+    return b"".join(out), int(zeros)
+
+
+def decode_gaps_rans(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
+    """Positions (uint64) from a raw `gaps_rans` section; validated against count and numel."""
+    if count == 0:
+        raise PositionsError("a 'gaps_rans' section needs at least one position")
+    rd = Reader(raw)
+    r = rd.varint("gaps shift", 63)
+    esc = _SYMBOL_CAP_POSITIONS - 1
+    sym, alphabet = decode_rans(rd, count, _SYMBOL_CAP_POSITIONS, "gaps quotients", np.uint8)
+    low = rd.take((count * r + 7) // 8, "gaps low bits")
+    nesc = int(np.count_nonzero(sym == esc)) if alphabet == _SYMBOL_CAP_POSITIONS else 0
+    excess = rd.varints(nesc, "gaps escaped quotients")
+    rd.done("gaps section")
+    if np.any(excess > _U64(MAX_NUMEL)):
+        raise PositionsError("gaps escaped quotient beyond 2**63")
+    out = np.empty(count, np.int64)
+    status = _k.gaps_join(sym, esc if alphabet == _SYMBOL_CAP_POSITIONS else -1, r, low,
+                          excess.astype(np.int64), numel - 1, out)
+    if status:
+        why = {-1: "truncated low bits", -2: "packed bits: non-zero padding",
+               -3: "escape count mismatch", -4: "gap beyond 2**63"}.get(status, f"position >= numel {numel}")
+        raise PositionsError(why)
+    return out.view(_U64)

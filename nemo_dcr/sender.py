@@ -38,7 +38,8 @@ class ProducerReport:
     payloads: int = 0
     wire_bytes: int = 0
     first_send_s: float | None = None  # seconds from refit start to the first payload leaving
-    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("residual", "diff", "place", "encode", "send", "flush"), 0.0))
+    times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("residual", "diff", "place", "encode", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     error: str | None = None
 
@@ -176,7 +177,7 @@ class Producer:
                 if len(delta) == 0:
                     rep.times["diff"] += time.perf_counter() - t
                     continue
-                positions = delta.positions + lo
+                positions = delta.positions + lo if lo else delta.positions
                 self.baseline.stage(key, positions, delta.new)
                 if op == AUTO:
                     both = (_unsigned(delta.xor()), _unsigned(delta.add()))
@@ -185,8 +186,10 @@ class Producer:
                 changed += len(delta)
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
-                local = positions.cpu().numpy() + offset
-                for name, (cpos, src) in merge_placed(amap.place(local)).items():
+                local = positions.cpu().numpy()
+                if offset:
+                    local = local + offset
+                for name, cpos, src in _placed(amap, local):
                     builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src])
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
@@ -211,6 +214,17 @@ class Producer:
         rep.times["flush"] = time.perf_counter() - t
         rep.payloads = len(payload_ids)
         return rep
+
+
+def _placed(amap: AffineMap, local: np.ndarray):
+    """(canonical name, positions uint64, source index or slice) per touched canonical
+    tensor. When every touched piece has its own tensor (the usual case) the sources are
+    contiguous ranges of `local`, taken as slices (views), not gathered."""
+    placed = amap.place(local)
+    if len({name for name, _, _ in placed}) == len(placed):
+        return [(name, cpos.view(np.uint64) if cpos.dtype == np.int64 else cpos.astype(np.uint64),
+                 slice(int(src[0]), int(src[-1]) + 1)) for name, cpos, src in placed]
+    return [(name, cpos, src) for name, (cpos, src) in merge_placed(placed).items()]
 
 
 def _unsigned(t: torch.Tensor) -> np.ndarray:

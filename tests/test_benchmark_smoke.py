@@ -32,7 +32,7 @@ def _run(args, tmp_path, name):
 
 def test_codec_benchmark_smoke(tmp_path):
     res = _run(["benchmarks/codec.py"], tmp_path, "codec")
-    assert res["benchmark"] == "codec" and res["format_version"] == 2
+    assert res["benchmark"] == "codec" and res["format_version"] == 3
     for row in res["synthetic"]:
         assert row["wire_bytes"] > 0 and row["bound_bytes"] > 0 and row["nemo_rl_bytes"] > 0
         assert row["op"] in ("xor", "add") and 0 < row["rate"] < 1

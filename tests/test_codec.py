@@ -309,7 +309,9 @@ def test_bad_magic_version_flags():
     e = reject(b"XDCR" + data[4:], "bad magic")
     assert e.payload_id is None
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=3), "unsupported format version 3 (this decoder reads 2)")
+    reject(rejoin(header, secs, version=4), "unsupported format version 4 (this decoder reads 3)")
+    _, header, secs = split(data)
+    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3)")
     _, header, secs = split(data)
     reject(rejoin(header, secs, version=1), "unsupported format version 1")
     _, header, secs = split(data)
@@ -605,7 +607,7 @@ def test_peek_header_checks_framing():
     with pytest.raises(PayloadRejected, match="bad magic"):
         peek_header(b"NOPE" + sample()[4:])
     with pytest.raises(PayloadRejected, match="unsupported format version"):
-        peek_header(edited(lambda h, s: None, version=3))
+        peek_header(edited(lambda h, s: None, version=2))
     with pytest.raises(PayloadRejected, match="truncated"):
         peek_header(sample()[:20])
 
@@ -707,7 +709,7 @@ def encodings(data):
 def test_large_sparse_record_uses_gaps_and_symbols():
     p = payload(ulp_record("w", 200_000, 0.01), ulp_record("v", 200_000, 0.03, op=Op.ADD, seed=1))
     data = encode(p)
-    assert encodings(data) == [("gaps", "symbols"), ("gaps", "symbols")]
+    assert encodings(data) == [("gaps_rans", "symbols_rans"), ("gaps_rans", "symbols_rans")]
     assert_same(p, decode(data))
     assert len(data) < 1.2 * sum(len(r) for r in p.records) + 1000  # ~1 byte per change, not 10
 
@@ -758,7 +760,7 @@ def test_gaps_beyond_2_32_and_2_62():
     pos = np.unique(np.concatenate([rng.integers(0, 2**33, 500), rng.integers(2**62, 2**63 - 1, 100),
                                     [2**63 - 1]]).astype(np.uint64))
     data = encode(payload(rec("huge", "I64", (2**31, 2**32), pos)))
-    assert encodings(data)[0][0] == "gaps"
+    assert encodings(data)[0][0] == "gaps_rans"
     np.testing.assert_array_equal(decode(data).records[0].positions, pos)
     raw = encode_gaps(pos)
     np.testing.assert_array_equal(decode_gaps(raw, pos.size, 2**63), pos)
@@ -784,7 +786,7 @@ def test_value_symbols_escape_and_wide_alphabets():
     vals = np.where(rng.random(n) < 0.97, common, rare).astype(np.uint16)  # > VALUE_ALPHABET distinct
     p = payload(Record("s", "BF16", (2 * n,), Op.XOR, np.arange(n, dtype=np.uint64) * 2, vals))
     data = encode(p)
-    assert encodings(data)[0][1] == "symbols"
+    assert encodings(data)[0][1] == "symbols_rans"
     assert_same(p, decode(data))
     wide = Record("f", "F64", (n,), Op.XOR, np.arange(n, dtype=np.uint64),
                   rng.integers(1, 300, n).astype(np.uint64) << np.uint64(40))
@@ -824,7 +826,7 @@ def _resealed_damage(data, trials, seed):
 def test_fuzz_entropy_coded_sections_only_reject():
     data = encode(payload(ulp_record("a", 20_000, 0.02), ulp_record("b", 20_000, 0.4, op=Op.ADD, seed=2),
                           ulp_record("c", 3000, 0.01, op=Op.OVERWRITE, seed=4)))
-    assert {"gaps", "symbols"} <= {e for pair in encodings(data) for e in pair}
+    assert {"gaps_rans", "symbols_rans"} <= {e for pair in encodings(data) for e in pair}
     accepted = _resealed_damage(data, 600, 77)
     assert accepted < 60  # nearly every damaged section is caught structurally
 

@@ -1,0 +1,314 @@
+"""Compiled kernels (nemo_dcr.kernels): bit-exact against the reference paths, the same
+bits with and without numba, round trips of the format-v3 rANS encodings, and clean
+rejection of damaged sections."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nemo_dcr import codec, kernels
+from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff
+from nemo_dcr.errors import PayloadRejected
+from nemo_dcr.placement import Piece
+from nemo_dcr.positions import (
+    PositionsError,
+    Reader,
+    decode_gaps_rans,
+    decode_rans,
+    encode_gaps_rans,
+    encode_rans,
+    leb128_encode,
+    quantize,
+)
+from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+
+HDR = PayloadHeader("t", 0, 1, "p", "p-0")
+NP_DTYPES = [np.int16, np.int32, np.uint8, np.int8]
+
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+
+
+# -------------------------------------------------------------- diff
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(NP_DTYPES), st.integers(0, 3000), st.sampled_from([0.0, 0.001, 0.03, 0.3, 1.0]),
+       st.integers(0, 7), st.integers(0, 2**32 - 1))
+def test_compiled_diff_matches_reference(dtype, n, rate, offset, seed):
+    """Same (positions, new, old) as numpy's elementwise compare, for any size, rate and
+    (non-word-aligned) offset, and as the numpy word path."""
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 100, n + offset).astype(dtype)
+    new = old.copy()
+    hit = rng.random(n + offset) < rate
+    new[hit] = (new[hit] + 1).astype(dtype)
+    a, b = new[offset:], old[offset:]
+    ref = np.flatnonzero(a != b)
+    for impl in (_diff_compiled, _diff_cpu_words):
+        pos, nv, ov = impl(a, b)
+        np.testing.assert_array_equal(pos, ref)
+        assert pos.dtype == np.int64 and nv.dtype == a.dtype and ov.dtype == a.dtype
+        np.testing.assert_array_equal(nv, a[ref])
+        np.testing.assert_array_equal(ov, b[ref])
+    if n >= 64:  # the public entry point, on torch views of the slices
+        d = diff(torch.from_numpy(a), torch.from_numpy(b))
+        np.testing.assert_array_equal(d.positions.numpy(), ref)
+
+
+def test_compiled_diff_grows_its_buffers():
+    """All changed (more than the first buffer holds) and none changed."""
+    a = np.arange(100_000, dtype=np.int16)
+    b = a + np.int16(1)
+    pos, nv, ov = _diff_compiled(a, b)
+    np.testing.assert_array_equal(pos, np.arange(a.size))
+    np.testing.assert_array_equal(nv, a)
+    np.testing.assert_array_equal(ov, b)
+    pos, _, _ = _diff_compiled(a, a.copy())
+    assert pos.size == 0
+
+
+def test_diff_words_resumes_where_the_buffer_was_full():
+    a = np.zeros(4096, np.int16)
+    b = a.copy()
+    b[::3] = 1
+    aw, bw = a.view(np.int64), b.view(np.int64)
+    small = [np.empty(100, np.int64), np.empty(100, np.int16), np.empty(100, np.int16)]
+    n, w = kernels.diff_words(a, b, aw, bw, 4, 0, *small, 0)
+    assert w < aw.size and n <= 100
+    big = [np.empty(4096, np.int64), np.empty(4096, np.int16), np.empty(4096, np.int16)]
+    for x, y in zip(big, small):
+        x[:n] = y[:n]
+    n, w = kernels.diff_words(a, b, aw, bw, 4, w, *big, n)
+    assert w == aw.size
+    np.testing.assert_array_equal(big[0][:n], np.flatnonzero(a != b))
+
+
+# -------------------------------------------------------------- placement
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 50), st.integers(1, 50), st.integers(0, 1000), st.integers(0, 100), st.integers(0, 10**6),
+       st.booleans(), st.integers(0, 2**32 - 1))
+def test_affine_kernel_matches_divmod(rows, cols, extra_stride, start, offset, shuffle, seed):
+    p = Piece("c", start, rows, cols, offset, cols + extra_stride)
+    rng = np.random.default_rng(seed)
+    local = np.sort(rng.choice(p.size, size=min(p.size, 40), replace=False)).astype(np.int64) + start
+    if shuffle:
+        rng.shuffle(local)
+    rel = local - start
+    r, c = np.divmod(rel, cols)
+    np.testing.assert_array_equal(p.canonical_index(local), offset + r * p.row_stride + c)
+
+
+# -------------------------------------------------------------- rANS / gaps_rans
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 5000), st.floats(0.0002, 1.0), st.integers(0, 2**32 - 1))
+def test_gaps_rans_roundtrip(n, rate, seed):
+    rng = np.random.default_rng(seed)
+    pos = np.flatnonzero(rng.random(n) < rate).astype(np.uint64)
+    if pos.size == 0:
+        pos = np.array([n - 1], np.uint64)
+    raw, adjacent = encode_gaps_rans(pos)
+    assert adjacent == int(np.count_nonzero(np.diff(pos.astype(np.int64)) == 1))
+    np.testing.assert_array_equal(decode_gaps_rans(raw, pos.size, n), pos)
+    if pos[-1] > 0:
+        with pytest.raises(PositionsError):
+            decode_gaps_rans(raw, pos.size, int(pos[-1]))  # one short of the last position
+
+
+def test_gaps_rans_escapes_and_huge_indices():
+    rng = np.random.default_rng(5)
+    pos = np.unique(np.concatenate([rng.integers(0, 2**40, 300), [2**63 - 1], [0, 1, 2]]).astype(np.uint64))
+    raw, _ = encode_gaps_rans(pos)
+    np.testing.assert_array_equal(decode_gaps_rans(raw, pos.size, 2**63), pos)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=3000), st.integers(1, 30))
+def test_rans_roundtrip_and_near_entropy(symbols, pad):
+    sym = np.array(symbols, np.int32)
+    counts = np.bincount(sym, minlength=sym.max() + pad)
+    raw = encode_rans(sym, counts)
+    rd = Reader(raw)
+    out, alphabet = decode_rans(rd, sym.size, 1024, "t")
+    rd.done("t")
+    assert alphabet == counts.size
+    np.testing.assert_array_equal(out, sym)
+    nz = counts[counts > 0].astype(float)
+    entropy = float((nz * np.log2(sym.size / nz)).sum()) / 8
+    words = 0 if nz.size == 1 else 2 * (len(raw) - len(leb128_encode(np.concatenate(
+        ([counts.size], quantize(counts), [0])).astype(np.uint64))))
+    assert words / 2 <= entropy * 1.01 + 10  # payload words: the entropy, plus flush and quantisation
+
+
+def test_quantize_sums_and_keeps_every_symbol():
+    for counts in ([1, 1], [10**9, 1, 1, 1], [1] * 1025, [5] + [1] * 1024, [0, 3, 0, 7]):
+        f = quantize(np.array(counts))
+        assert f.sum() == 1 << 16
+        assert np.all((f > 0) == (np.array(counts) > 0))
+
+
+# -------------------------------------------------------------- same bits without numba
+
+
+def test_python_fallback_gives_identical_bits(monkeypatch):
+    """Every kernel run as plain Python (numba absent) encodes exactly the same payload."""
+    rng = np.random.default_rng(11)
+    recs = []
+    for i, (n, rate) in enumerate([(3000, 0.02), (2000, 0.4), (500, 1.0), (4000, 0.005)]):
+        pos = np.flatnonzero(rng.random(n) < rate).astype(np.uint64)
+        vals = rng.integers(1, 9, pos.size).astype(np.uint16)
+        recs.append(Record(f"w{i}", "BF16", (n,), Op.ADD if i % 2 else Op.XOR, pos, vals))
+    p = Payload(HDR, recs)
+    compiled = codec.encode(p)
+    a = np.arange(5000, dtype=np.int16)
+    b = a.copy()
+    b[::7] += 1
+    piece = Piece("c", 0, 50, 100, 7, 300)
+    local = np.flatnonzero(a != b).astype(np.int64)
+    d_compiled = _diff_compiled(a, b)
+    placed_compiled = piece.canonical_index(local)
+    for name in ("diff_words", "affine_index", "strictly_increasing_below", "gaps_split", "gaps_join",
+                 "rans_encode", "rans_decode", "histogram", "map_symbols", "lookup"):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
+    assert codec.encode(p) == compiled
+    for x, y in zip(_diff_compiled(a, b), d_compiled):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(piece.canonical_index(local), placed_compiled)
+    out = codec.decode(compiled)
+    for r, q in zip(out.records, recs):
+        np.testing.assert_array_equal(r.positions, q.positions)
+        np.testing.assert_array_equal(r.values, q.values)
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)  # the numpy paths of diff / placement / checks
+    assert codec.encode(p) == compiled
+    np.testing.assert_array_equal(piece.canonical_index(local), placed_compiled)
+
+
+# -------------------------------------------------------------- damaged sections
+
+
+def _gaps_raw():
+    rng = np.random.default_rng(3)
+    pos = np.flatnonzero(rng.random(20_000) < 0.03).astype(np.uint64)
+    return pos, encode_gaps_rans(pos)[0]
+
+
+def test_damaged_gaps_rans_only_raise_positions_error():
+    pos, raw = _gaps_raw()
+    rng = np.random.default_rng(7)
+    accepted = 0
+    for i in range(400):
+        b = bytearray(raw)
+        kind = i % 3
+        if kind == 0:
+            for _ in range(int(rng.integers(1, 4))):
+                j = int(rng.integers(0, len(b)))
+                b[j] ^= 1 << int(rng.integers(0, 8))
+        elif kind == 1:
+            b = b[: int(rng.integers(0, len(b)))]
+        else:
+            b += bytes(rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8))
+        try:
+            out = decode_gaps_rans(bytes(b), pos.size, 20_000)
+        except PositionsError:
+            continue
+        accepted += 1
+        assert out.size == pos.size and np.all(np.diff(out.astype(np.int64)) > 0) and int(out[-1]) < 20_000
+    assert accepted < 100  # flips in the raw low bits are undetectable here (the checksum catches them)
+
+
+def test_rans_stream_rejections():
+    sym = np.array([0, 1, 1, 2, 0, 1] * 50, np.int32)
+    raw = encode_rans(sym, np.bincount(sym))
+
+    def dec(data, m=sym.size):
+        decode_rans(Reader(data), m, 16, "t")
+
+    dec(raw)
+    head = leb128_encode(np.array([3], np.uint64)).tobytes()
+    with pytest.raises(PositionsError, match="do not sum"):
+        dec(head + leb128_encode(np.array([100, 100, 100, 0], np.uint64)).tobytes())
+    with pytest.raises(PositionsError, match="malformed rANS stream"):
+        dec(head + leb128_encode(np.array([1 << 15, 1 << 14, 1 << 14, 2], np.uint64)).tobytes() + b"\1\0\1\0")
+    with pytest.raises(PositionsError, match="out of range"):
+        dec(head + leb128_encode(np.array([1 << 15, 1 << 14, 1 << 14, 10**6], np.uint64)).tobytes())
+    with pytest.raises(PositionsError, match="corrupt rANS stream"):
+        dec(raw, sym.size + 1)  # one symbol more than was coded
+    with pytest.raises(PositionsError, match="corrupt rANS stream"):
+        dec(raw, sym.size - 1)
+    one = encode_rans(np.zeros(5, np.int32), np.array([5, 0]))
+    with pytest.raises(PositionsError, match="no words"):
+        dec(one[:-1] + b"\4" + b"\0" * 8, 5)
+
+
+def _resealed(data: bytes, part: str, damage) -> bytes:
+    """Decompress a section of the first record, damage it, recompress, reseal."""
+    import json
+    import struct
+
+    import zstandard
+
+    hlen = struct.unpack("<I", data[8:12])[0]
+    header = json.loads(data[12:12 + hlen])
+    body = data[12 + hlen:len(data) - 16]
+    secs = []
+    for r in header["records"]:
+        for k in ("positions", "values"):
+            s = r[k]
+            if "offset" in s:
+                secs.append((r, k, body[s["offset"]:s["offset"] + s["length"]]))
+    out, cursor, raw_total = [], 0, 0
+    for i, (r, k, frame) in enumerate(secs):
+        raw = zstandard.ZstdDecompressor().decompress(frame) if frame else b""
+        if i == (0 if part == "positions" else 1):
+            raw = damage(bytearray(raw))
+        frame = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(bytes(raw)) if raw else b""
+        r[k].update(offset=cursor, length=len(frame), raw_length=len(raw))
+        out.append(frame)
+        cursor += len(frame)
+        raw_total += len(raw)
+    header["body_bytes"], header["raw_bytes"] = cursor, raw_total
+    hb = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    blob = data[:8] + struct.pack("<I", len(hb)) + hb + b"".join(out)
+    import hashlib
+    return blob + hashlib.blake2b(blob, digest_size=16).digest()
+
+
+@pytest.mark.parametrize("part", ["positions", "values"])
+def test_damaged_v3_sections_are_rejected_cleanly(part):
+    rng = np.random.default_rng(1)
+    pos = np.flatnonzero(rng.random(50_000) < 0.03).astype(np.uint64)
+    vals = rng.integers(1, 9, pos.size).astype(np.uint16)
+    data = codec.encode(Payload(HDR, [Record("w", "BF16", (50_000,), Op.ADD, pos, vals)]))
+    assert "gaps_rans" in data.decode("latin-1") and "symbols_rans" in data.decode("latin-1")
+    codec.decode(_resealed(data, part, lambda b: b))  # resealing alone is accepted
+    damages = [lambda b: b[:len(b) // 2], lambda b: b + b"\0\1", lambda b: b[:3] + bytes([b[3] ^ 0x40]) + b[4:],
+               lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:] if part == "values" else b[:-1]]
+    for damage in damages:
+        with pytest.raises(PayloadRejected) as ei:
+            codec.decode(_resealed(data, part, damage))
+        assert not ei.value.reason.startswith("malformed payload ("), ei.value.reason
+
+
+def test_v3_decoder_rejects_unknown_encoding_by_name():
+    data = codec.encode(Payload(HDR, [Record("w", "BF16", (50_000,), Op.ADD,
+                                             np.arange(0, 50_000, 7, dtype=np.uint64),
+                                             np.ones(7143, np.uint16))]))
+    bad = data.replace(b'"gaps_rans"', b'"gaps_ranz"')
+    with pytest.raises(PayloadRejected, match="unknown position encoding 'gaps_ranz'"):
+        import struct
+        hlen = struct.unpack("<I", bad[8:12])[0]
+        import hashlib
+        blob = bad[:12 + hlen] + bad[12 + hlen:-16]
+        codec.decode(blob + hashlib.blake2b(blob, digest_size=16).digest())
+
+
+@needs_numba
+def test_kernels_are_compiled():
+    assert hasattr(kernels.rans_encode, "signatures")
