@@ -49,12 +49,17 @@ class Receiver:
         limits: codec.DecodeLimits | None = None,
         max_staged_bytes: int = 8 << 30,
         log=None,
+        canonical_catalog: dict | None = None,
     ):
         self.id, self.runtime, self.end = receiver_id, runtime, end
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
         self.max_staged_bytes = max_staged_bytes
-        self.catalog = runtime.catalog()
+        # A runtime may hold a subset of the model (one Megatron-inference rank): payloads
+        # are validated against the whole `canonical_catalog` (names outside it are still
+        # rejected) and only records of tensors in `runtime.catalog()` (`held`) are applied.
+        self.held = runtime.catalog()
+        self.catalog = self.held if canonical_catalog is None else _superset(canonical_catalog, self.held)
         self.current: _Transfer | None = None
         self.log = log or (lambda msg: None)
 
@@ -166,7 +171,7 @@ class Receiver:
         unlisted = set(cur.staged) - listed
         if unlisted:
             return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
-        records = [rec for pid in sorted(cur.staged) for rec in cur.staged[pid].records]
+        records = [rec for pid in sorted(cur.staged) for rec in cur.staged[pid].records if rec.name in self.held]
         t = time.perf_counter()
         try:
             cur.undo = self.runtime.apply(records)
@@ -216,3 +221,13 @@ class Receiver:
     def digests(self) -> dict[str, str]:
         """BLAKE2b-128 of every canonical tensor's stored bits (for end-state checks)."""
         return state_digests(self.runtime.canonical_state())
+
+
+def _superset(catalog: dict, held: dict) -> dict:
+    """`catalog` (name -> (dtype, shape)), checked to contain every held entry as is."""
+    full = {n: (d, tuple(int(x) for x in shape)) for n, (d, shape) in catalog.items()}
+    for name, (dtype, shape) in held.items():
+        if full.get(name) != (dtype, tuple(int(x) for x in shape)):
+            raise ValueError(f"the runtime holds {name!r} as {dtype} {tuple(shape)}, but the canonical catalog "
+                             f"has {full.get(name, 'no such tensor')}")
+    return full

@@ -11,7 +11,8 @@ shape and dtype, under a `TorchDispatchMode` that sees every aten op it runs:
   stride, storage offset, after broadcasting) says exactly which canonical element
   lands on which destination element, whatever narrowing, slicing, splitting or
   transposing the loader did;
-* any other write into model storage (fill_, index_put_, out=...) fails closed;
+* any other write into model storage (fill_, index_put_, out=...) fails closed,
+  unless it writes zero elements (it then runs: it changes nothing);
 * a write into the scratch itself marks the tensor as value-transforming.
 
 Nothing is written until the whole batch has been planned and validated. Then each
@@ -34,7 +35,9 @@ overlap between two canonical tensors is only seen when both are in the same cal
 a loader that replaces parameter storage (assign=True, swap_tensors) is refused.
 Every storage `_destinations` names counts as model storage. A concrete adapter
 (see `nemo_dcr.runtimes.hf`) supplies `_load`, `_destinations`, `catalog` and
-`canonical_state`.
+`canonical_state`. An adapter that holds only part of some tensors (a tensor-parallel
+shard: `nemo_dcr.runtimes.megatron.receiver`) sets `full_coverage = False` and names
+its elements with `_held_mask`.
 """
 
 from __future__ import annotations
@@ -151,6 +154,15 @@ def _positions(record: Record, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(record.positions.astype(np.int64)).to(device)
 
 
+def _held_bits(got: torch.Tensor, expected: torch.Tensor, held: torch.Tensor | None):
+    """Bit views of `got` and `expected` (same dtype and shape), on the held elements only."""
+    a, b = dtypes.bits_of(got), dtypes.bits_of(expected).to(got.device)
+    if held is None:
+        return a, b
+    held = held.to(got.device)
+    return a.reshape(-1)[held], b.reshape(-1)[held]
+
+
 def _mark(marks: torch.Tensor, view: _View, base: int) -> bool:
     """Set `view`'s elements in `marks` (index = storage element - base); True if any was set."""
     v = _View(view.size, view.stride, view.offset - base)
@@ -220,7 +232,9 @@ class _Interceptor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        written = _written(func, args, kwargs)
+        # A write of zero elements changes nothing (vLLM's embedding loader fills the
+        # empty padding slice `param[n:]` with zeros): run it, it cannot matter.
+        written = [t for t in _written(func, args, kwargs) if t.numel() > 0]
         for t in written:
             name = self.scratch.get(storage_key(t))
             if name is not None:
@@ -271,6 +285,15 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
 
     def _refresh(self) -> None:
         """Drop anything cached about the model's storage (before planning and undo)."""
+
+    def _held_mask(self, name: str) -> torch.Tensor | None:
+        """Flat bool mask of the canonical elements this runtime holds; None: all of them.
+
+        A runtime holding only part of a tensor (a tensor-parallel shard, with
+        `full_coverage = False`) returns a mask; `_canonical_tensor` may then hold
+        anything outside it, and a dense overwrite is verified on the held elements only.
+        """
+        return None
 
     # -- contract -----------------------------------------------------------------
     def check(self, records: Sequence[Record]) -> None:
@@ -583,8 +606,9 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                 with torch.no_grad():
                     dst.detach().copy_(src)
             got = self._canonical_tensor(record.name).detach()
+            held = self._held_mask(record.name)
             if got.dtype != expected.dtype or got.shape != expected.shape or not torch.equal(
-                dtypes.bits_of(got), dtypes.bits_of(expected).to(got.device)
+                *_held_bits(got, expected, held)
             ):
                 raise ApplyError(
                     f"{record.name}: {plan.irregular}, and a dense overwrite through it does not "

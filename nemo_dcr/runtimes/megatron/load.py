@@ -10,9 +10,18 @@ canonical slices its shard holds are read into the outputs, and `inverse(outputs
 gives the local parameter. The round trip is then checked: `forward` of what was
 loaded must give back the checkpoint's bits, because the producers take `forward`
 of the loaded parameters as the residual baseline, i.e. as what receivers hold.
+
+`names` restricts a load to some canonical tensors of a model that already holds
+the rest (a Megatron-inference receiver runs the loader this way under the
+interception engine, `nemo_dcr.runtimes.megatron.receiver`): only their pieces are
+copied and no other element is written, vocab padding included (zeroing it is part
+of the initial load only). A residual parameter that reads any of them is reloaded
+whole, reading its other targets through `read` as well.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -22,8 +31,13 @@ from nemo_dcr.placement import AffineMap, ResidualMap
 
 
 @torch.no_grad()
-def load_into(params: dict[str, torch.nn.Parameter], maps: dict[str, AffineMap | ResidualMap], read) -> None:
-    """Fill every local parameter from canonical tensors; `read(name)` returns one."""
+def load_into(params: dict[str, torch.nn.Parameter], maps: dict[str, AffineMap | ResidualMap], read,
+              *, names: Collection[str] | None = None) -> None:
+    """Fill every local parameter from canonical tensors; `read(name)` returns one.
+
+    names: load only the pieces of these canonical tensors (see the module notes);
+    None (default): everything, uncovered elements zeroed."""
+    only = None if names is None else frozenset(names)
     cache: dict[str, torch.Tensor] = {}
 
     def canonical(name: str, needed: set[str]) -> torch.Tensor:
@@ -36,13 +50,15 @@ def load_into(params: dict[str, torch.nn.Parameter], maps: dict[str, AffineMap |
     for name, param in params.items():
         amap = maps[name]
         if isinstance(amap, ResidualMap):
-            _load_residual(name, param, amap, canonical)
+            if only is None or any(p.canonical in only for o in amap.outputs for p in o.pieces):
+                _load_residual(name, param, amap, canonical)
             continue
         flat = param.data.view(-1)
-        if amap.covered < flat.numel():
+        pieces = amap.pieces if only is None else [p for p in amap.pieces if p.canonical in only]
+        if only is None and amap.covered < flat.numel():
             flat.zero_()
-        needed = {p.canonical for p in amap.pieces}
-        for p in amap.pieces:
+        needed = {p.canonical for p in pieces}
+        for p in pieces:
             src = canonical(p.canonical, needed)
             if src.dtype != param.dtype:
                 raise TypeError(f"{name}: canonical {p.canonical} is {src.dtype}, parameter is {param.dtype}")
@@ -69,8 +85,9 @@ def _load_residual(name: str, param: torch.Tensor, rmap: ResidualMap, canonical)
         raise ConverterError(f"{name}: the {rmap.kind} inverse gave {tuple(local.shape)} {local.dtype}, "
                              f"the parameter is {tuple(param.shape)} {param.dtype}")
     param.data.copy_(local)
-    # Round trip: only covered output elements are checkpoint values.
-    for i, (again, want, out) in enumerate(zip(rmap.compute(param.data), outputs, rmap.outputs)):
+    # Round trip on what was copied (the same bits as param now; under interception the
+    # copy is only recorded). Only covered output elements are checkpoint values.
+    for i, (again, want, out) in enumerate(zip(rmap.compute(local), outputs, rmap.outputs)):
         again, want = dtypes.bits_of(again.contiguous()), dtypes.bits_of(want)
         for p in out.pieces:
             bad = int((again[p.local_start:p.local_stop] != want[p.local_start:p.local_stop]).sum())
