@@ -29,6 +29,9 @@ TP2_DP2_QKV_RESIDUAL = [*TP2_DP2, "--qkv-residual"]
 # distributed optimizer over DP, each EP rank the only owner of its experts; receivers
 # apply per-expert records into transformers' fused expert tensors.
 QWEN3_MOE_PP2_DP2_EP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--ep", "2", "--family", "qwen3_moe"]
+# MoE with TP trains only with sequence parallelism; EP=2 then spans the TP ranks.
+QWEN3_MOE_TP2_SP_EP2 = ["--tp", "2", "--sp", "--dp", "1", "--pp", "1", "--ep", "2", "--family", "qwen3_moe"]
+MIXTRAL_TP2_SP_DP2_EP2 = ["--tp", "2", "--sp", "--dp", "2", "--pp", "1", "--ep", "2", "--family", "mixtral"]
 
 
 @pytest.mark.parametrize(
@@ -41,6 +44,8 @@ QWEN3_MOE_PP2_DP2_EP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--ep", "2", "--
         pytest.param(TP2_PP2, "s3", id="tp2-pp2-llama-tied-s3"),
         pytest.param(TP2_DP2_QKV_RESIDUAL, "local", id="tp2-dp2-distopt-qwen3-qkv-residual-local"),
         pytest.param(QWEN3_MOE_PP2_DP2_EP2, "local", id="pp2-dp2-ep2-distopt-qwen3-moe-local"),
+        pytest.param(QWEN3_MOE_TP2_SP_EP2, "local", id="tp2-sp-ep2-distopt-qwen3-moe-local"),
+        pytest.param(MIXTRAL_TP2_SP_DP2_EP2, "relay", id="tp2-sp-dp2-ep2-distopt-mixtral-relay"),
     ],
 )
 def test_refit_is_bit_exact_after_every_step(tmp_path, layout, transport):
