@@ -214,7 +214,8 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[0]
     syn = result["synthetic"]
     x = np.arange(len(syn))
-    for i, (key, label) in enumerate([("wire_bytes", "NeMo-DCR v2"), ("bound_bytes", "entropy bound"),
+    for i, (key, label) in enumerate([("wire_bytes", f"NeMo-DCR v{codec.FORMAT_VERSION}"),
+                                      ("bound_bytes", "entropy bound"),
                                       ("nemo_rl_bytes", "NeMo-RL-style (gaps+xor, zstd-1)")]):
         ax.bar(x + (i - 1) * 0.27, [r[key] / r["changed"] for r in syn], 0.27, label=label)
     ax.set_xticks(x, [f"{r['rate']:.0%} synthetic" for r in syn])

@@ -16,11 +16,12 @@ Byte layout (all integers little-endian):
 B is `body_bytes` in the header. Each non-empty section is exactly one zstd frame that
 declares its content size; an empty section (raw length 0) has no frame at all.
 
-Encodings (v2): positions `gaps` (entropy-coded gaps: ANS-coded Rice quotients plus raw
-low bits), `runs` (v1's run varints), `all`, `dense` (xor/add values at every element,
-zeros dropped on decode); values `symbols` (an ANS-coded table of distinct values plus
-escapes) or `planes` (v1's byte planes). The encoder picks, per record, whichever is
-smallest on the wire; the decoded `Record` does not depend on that choice.
+Encodings (v3): positions `gaps_rans` (entropy-coded gaps: rANS-coded Rice quotients plus
+raw low bits), `runs` (v1's run varints), `all`, `dense` (xor/add values at every element,
+zeros dropped on decode); values `symbols_rans` (a rANS-coded table of distinct values
+plus escapes) or `planes` (v1's byte planes). The encoder picks, per record, whichever is
+smallest on the wire; the decoded `Record` does not depend on that choice. v2's
+constriction-coded `gaps` / `symbols` are not part of v3: they are unknown encodings.
 
 `decode` validates everything - framing, checksum, HMAC, header schema, sizes, limits,
 every position and value - before it returns, so a receiver can reject a payload
@@ -48,11 +49,9 @@ from .positions import (
     PositionsError,
     Reader,
     check_positions,
-    decode_gaps,
     decode_gaps_rans,
     decode_rans,
     decode_runs,
-    decode_symbols,
     encode_gaps_rans,
     encode_rans,
     encode_runs,
@@ -69,9 +68,9 @@ PREFIX_BYTES = _PREFIX.size  # 12
 CHECKSUM_BYTES = 16
 HMAC_BYTES = 32
 
-POSITION_ENCODINGS = ("gaps_rans", "gaps", "runs", "all", "dense")
-VALUE_ENCODINGS = ("symbols_rans", "symbols", "planes")
-# Literal values a `symbols` table may hold (one more symbol escapes to raw values).
+POSITION_ENCODINGS = ("gaps_rans", "runs", "all", "dense")
+VALUE_ENCODINGS = ("symbols_rans", "planes")
+# Literal values a `symbols_rans` table may hold (one more symbol escapes to raw values).
 VALUE_ALPHABET = 1024
 # Records of at most this many changes also try the simple v1 encodings (runs, planes).
 _SMALL = 64
@@ -88,11 +87,9 @@ _TOP_KEYS = frozenset(
 )
 _RECORD_KEYS = frozenset({"count", "dtype", "name", "op", "positions", "shape", "values"})
 _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
-_POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps": _SECTION_KEYS | {"encoding"},
-                  "gaps_rans": _SECTION_KEYS | {"encoding"},
+_POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps_rans": _SECTION_KEYS | {"encoding"},
                   "all": frozenset({"encoding"}), "dense": frozenset({"encoding"})}
 _VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
-               "symbols": _SECTION_KEYS | {"encoding", "width"},
                "symbols_rans": _SECTION_KEYS | {"encoding", "width"}}
 
 
@@ -168,7 +165,7 @@ class _Rejecting:
 
 
 def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto") -> bytes:
-    """Serialize `payload` (format v2). Raises ValueError on an invalid payload.
+    """Serialize `payload` (format v3). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
     level: zstd compression level for every section.
@@ -371,9 +368,8 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
     return b"".join(out)
 
 
-def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str, *, rans: bool = True) -> np.ndarray:
-    """m values (dt's unsigned bit view) from a raw `symbols_rans` (or, rans=False, v2
-    `symbols`) section; validates everything."""
+def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np.ndarray:
+    """m values (dt's unsigned bit view) from a raw `symbols_rans` section; validates everything."""
     w = dt.itemsize
     rd = Reader(raw)
     literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
@@ -383,10 +379,7 @@ def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str, *, ra
     table = rd.take(literal * w, f"{where}: symbols table").view(dt.bits_numpy)
     if literal > 1 and np.any(table[1:] <= table[:-1]):
         raise PositionsError(f"{where}: symbols table not strictly increasing")
-    if rans:
-        sym, alphabet = decode_rans(rd, m, literal + escape, f"{where}: symbols", np.int16)
-    else:
-        sym, alphabet = decode_symbols(rd, m, literal + escape, f"{where}: symbols")
+    sym, alphabet = decode_rans(rd, m, literal + escape, f"{where}: symbols", np.int16)
     if alphabet != literal + escape:
         raise PositionsError(f"{where}: symbol stream alphabet {alphabet} != table {literal} + escape {escape}")
     ext = np.zeros(literal + escape, dtype=dt.bits_numpy)
@@ -721,7 +714,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits
         if penc == "runs":
             # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
             lo, hi = (2, 20 * count) if count else (0, 0)
-        else:  # gaps(_rans): at least shift, alphabet, one count, word count; at most ~32 bytes a gap
+        else:  # gaps_rans: at least shift, alphabet, one frequency, word count; at most ~32 bytes a gap
             lo, hi = (4, 32 * count + 4096) if count else (1, 0)
             decoded += 4 * count
         if not lo <= psec.raw_length <= hi:
@@ -743,7 +736,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits
         if vsec.raw_length != m * width:
             raise _Bad(f"{where}: values section holds {vsec.raw_length} bytes, "
                        f"{m} values x width {width} needs {m * width} (values count != positions count)")
-    else:
+    else:  # symbols_rans
         if m == 0 or not 4 <= vsec.raw_length <= (width + 24) * m + 16 * VALUE_ALPHABET:
             raise _Bad(f"{where}: values raw size {vsec.raw_length} impossible for {m} symbols")
         decoded += 4 * m
@@ -840,17 +833,15 @@ def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompr
         try:
             if m.positions_encoding == "runs":
                 pos = decode_runs(raw, m.count, m.numel)
-            elif m.positions_encoding == "gaps_rans":
+            else:  # gaps_rans (the header parser admits no other encoding with a section)
                 pos = decode_gaps_rans(raw, m.count, m.numel)
-            else:
-                pos = decode_gaps(raw, m.count, m.numel)
         except PositionsError as e:
             raise _Bad(f"{where} positions: {e}") from None
     vraw = _decompress(body, m.values, f"{where} values", dctx)
     w = m.dtype.itemsize
-    if m.values_encoding in ("symbols", "symbols_rans"):
+    if m.values_encoding == "symbols_rans":
         try:
-            vals = decode_value_symbols(vraw, nvals, m.dtype, where, rans=m.values_encoding == "symbols_rans")
+            vals = decode_value_symbols(vraw, nvals, m.dtype, where)
         except PositionsError as e:
             raise _Bad(f"{where} values: {e}") from None
     else:

@@ -235,41 +235,25 @@ def rans_encode(sym, freq, cum, out):
     returns the index of the first word, so the stream is out[i:]: the four words of
     the final states (x0 low, x0 high, x1 low, x1 high), then the renormalisation words
     in the order the decoder reads them. freq: quantised frequencies (sum 2**16, every
-    coded symbol's >= 1 and < 2**16); cum: their exclusive prefix sums."""
+    coded symbol's >= 1 and < 2**16); cum: their exclusive prefix sums.
+
+    One step per symbol on `xa`, the state of the symbol at hand; the two states swap
+    after every symbol, so they alternate and their division chains still overlap."""
     u16 = np.uint32(16)
-    x0 = np.uint32(RANS_L)
-    x1 = np.uint32(RANS_L)
+    xa = np.uint32(RANS_L)
+    xb = np.uint32(RANS_L)
     p = out.size
-    m = sym.size
-    i = m - 1
-    if m & 1:  # the last symbol has an even index: state 0
+    for i in range(sym.size - 1, -1, -1):
         s = sym[i]
         f = np.uint32(freq[s])
-        if x0 >= (f << u16):
+        if xa >= (f << u16):
             p -= 1
-            out[p] = x0 & np.uint32(0xFFFF)
-            x0 = x0 >> u16
-        q = x0 // f
-        x0 = (q << u16) + (x0 - q * f) + np.uint32(cum[s])
-        i -= 1
-    while i > 0:
-        s = sym[i]  # odd index: state 1
-        f = np.uint32(freq[s])
-        if x1 >= (f << u16):
-            p -= 1
-            out[p] = x1 & np.uint32(0xFFFF)
-            x1 = x1 >> u16
-        q = x1 // f
-        x1 = (q << u16) + (x1 - q * f) + np.uint32(cum[s])
-        s = sym[i - 1]  # even index: state 0
-        f = np.uint32(freq[s])
-        if x0 >= (f << u16):
-            p -= 1
-            out[p] = x0 & np.uint32(0xFFFF)
-            x0 = x0 >> u16
-        q = x0 // f
-        x0 = (q << u16) + (x0 - q * f) + np.uint32(cum[s])
-        i -= 2
+            out[p] = xa & np.uint32(0xFFFF)
+            xa = xa >> u16
+        q = xa // f
+        xa = (q << u16) + (xa - q * f) + np.uint32(cum[s])
+        xa, xb = xb, xa
+    x0, x1 = xb, xa  # the last symbol coded, index 0, was state 0's
     out[p - 1] = x1 >> u16
     out[p - 2] = x1 & np.uint32(0xFFFF)
     out[p - 3] = x0 >> u16
@@ -282,48 +266,29 @@ def rans_decode(words, freq, cum, slot2sym, out):
     """Decode len(out) symbols of a stream written by rans_encode.
 
     Returns 0, or -1 bad initial states, -2 the words run out, -3 the stream does not
-    end exactly where the symbols do (both states back at 2**16, every word read)."""
+    end exactly where the symbols do (both states back at 2**16, every word read).
+    As in rans_encode, `xa` is the state of the symbol at hand and the states swap
+    after every symbol (words are read in the order the encoder wrote them)."""
     nw = words.size
     if nw < 4:
         return -1
-    x0 = np.int64(words[0]) | (np.int64(words[1]) << 16)
-    x1 = np.int64(words[2]) | (np.int64(words[3]) << 16)
-    if x0 < RANS_L or x1 < RANS_L:
+    xa = np.int64(words[0]) | (np.int64(words[1]) << 16)
+    xb = np.int64(words[2]) | (np.int64(words[3]) << 16)
+    if xa < RANS_L or xb < RANS_L:
         return -1
     ptr = 4
-    m = out.size
-    i = 0
-    while i + 1 < m:
-        slot = x0 & 0xFFFF
+    for i in range(out.size):
+        slot = xa & 0xFFFF
         s = slot2sym[slot]
         out[i] = s
-        x0 = np.int64(freq[s]) * (x0 >> 16) + slot - cum[s]
-        slot = x1 & 0xFFFF
-        s1 = slot2sym[slot]
-        out[i + 1] = s1
-        x1 = np.int64(freq[s1]) * (x1 >> 16) + slot - cum[s1]
-        if x0 < RANS_L:
+        xa = np.int64(freq[s]) * (xa >> 16) + slot - cum[s]
+        if xa < RANS_L:
             if ptr >= nw:
                 return -2
-            x0 = (x0 << 16) | np.int64(words[ptr])
+            xa = (xa << 16) | np.int64(words[ptr])
             ptr += 1
-        if x1 < RANS_L:
-            if ptr >= nw:
-                return -2
-            x1 = (x1 << 16) | np.int64(words[ptr])
-            ptr += 1
-        i += 2
-    if i < m:
-        slot = x0 & 0xFFFF
-        s = slot2sym[slot]
-        out[i] = s
-        x0 = np.int64(freq[s]) * (x0 >> 16) + slot - cum[s]
-        if x0 < RANS_L:
-            if ptr >= nw:
-                return -2
-            x0 = (x0 << 16) | np.int64(words[ptr])
-            ptr += 1
-    if x0 != RANS_L or x1 != RANS_L or ptr != nw:
+        xa, xb = xb, xa
+    if xa != RANS_L or xb != RANS_L or ptr != nw:
         return -3
     return 0
 

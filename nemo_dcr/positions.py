@@ -1,9 +1,10 @@
-"""Position and symbol encodings for the wire codec (format v2, docs/wire-format.md).
+"""Position encodings and entropy-coded streams for the wire codec (format v3,
+docs/wire-format.md).
 
 Two position encodings live here: `runs` (below, v1's encoding, kept for records made
-of long runs and for tiny records) and `gaps` (entropy-coded gaps, see
-`encode_gaps`). `encode_symbols` / `decode_symbols` are the shared static-model ANS
-stream that `gaps` and the codec's `symbols` value encoding are built on.
+of long runs and for tiny records) and `gaps_rans` (Rice-split gaps whose quotients are
+rANS-coded, see `encode_gaps_rans`). `encode_rans` / `decode_rans` are the rANS stream
+that `gaps_rans` and the codec's `symbols_rans` value encoding are built on.
 
 `runs`: sorted flat indices <-> run/gap varints.
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from . import kernels as _k
 
 # Largest number of elements a canonical tensor may have on the wire. Positions are
 # therefore < 2**63 and fit a signed int64 as well (torch indexing is int64).
@@ -179,34 +182,9 @@ def check_positions(positions: np.ndarray, numel: int) -> str | None:
 
 # ================================================================ entropy-coded streams
 #
-# A *symbol stream* codes m symbols from the alphabet {0 .. A-1} with a static model
-# that travels with it: the exact count of every symbol, then the symbols themselves,
-# range-coded by an asymmetric numeral system (constriction's stack-based `AnsCoder`,
-# 32-bit words, over `Categorical(counts / m, perfect=False)`). It costs the empirical
-# entropy of the symbols plus the count table plus at most ~8 bytes. Layout:
-#
-#     varint A                      alphabet size, 1 <= A <= max_alphabet
-#     A varints                     count of each symbol; they sum to m
-#     varint W                      number of 32-bit ANS words (0 if one symbol only)
-#     W x u32 little-endian         the ANS words
-#
-# The decoder checks every count and length before it allocates anything, decodes
-# exactly m symbols and requires the ANS coder to end exactly empty, so a stream that
-# was cut, padded or altered is rejected rather than silently misread.
-
-try:  # the ANS coder; a hard dependency of the package (pyproject.toml)
-    import constriction as _constriction
-except ImportError:  # pragma: no cover - reported when a stream is actually coded
-    _constriction = None
-
-_SYMBOL_CAP_POSITIONS = 256  # quotient alphabet of `gaps` (the last symbol escapes)
-
-
-def _ans():
-    if _constriction is None:  # pragma: no cover
-        raise RuntimeError("the `constriction` package is required for entropy-coded streams "
-                           "(pip install 'constriction>=0.5,<0.6')")
-    return _constriction
+# `Reader` parses the raw sections of the entropy-coded encodings; `entropy_bits` is the
+# empirical entropy the encoder (shift choice, `codec.choose_op`) and the benchmarks
+# measure against.
 
 
 class Reader:
@@ -260,198 +238,11 @@ def entropy_bits(counts: np.ndarray) -> float:
     return float((c * (np.log2(m) - np.log2(c))).sum()) if m else 0.0
 
 
-def encode_symbols(symbols: np.ndarray, alphabet: int, counts: np.ndarray | None = None) -> bytes:
-    """Symbol stream (see above) of `symbols` (ints in [0, alphabet))."""
-    sym = np.ascontiguousarray(symbols)
-    if counts is None:
-        counts = np.bincount(sym, minlength=alphabet) if sym.size else np.zeros(alphabet, np.int64)
-    head = leb128_encode(np.concatenate(([alphabet], counts)).astype(_U64)).tobytes()
-    if np.count_nonzero(counts) <= 1:
-        return head + b"\x00"
-    ans = _ans()
-    model = ans.stream.model.Categorical(counts.astype(np.float64) / float(sym.size), perfect=False)
-    coder = ans.stream.stack.AnsCoder()
-    coder.encode_reverse(sym.astype(np.int32, copy=False), model)
-    words = coder.get_compressed().astype("<u4", copy=False)
-    return head + leb128_encode(np.array([words.size], _U64)).tobytes() + words.tobytes()
-
-
-def decode_symbols(r: Reader, m: int, max_alphabet: int, what: str) -> tuple[np.ndarray, int]:
-    """(m symbols as int32, alphabet size) from a symbol stream at the reader's cursor."""
-    alphabet = r.varint(f"{what} alphabet size", max_alphabet)
-    if alphabet < 1:
-        raise PositionsError(f"{what}: empty alphabet")
-    counts = r.varints(alphabet, f"{what} symbol counts")
-    if np.any(counts > _U64(m)) or int(counts.sum(dtype=_U64)) != m:
-        raise PositionsError(f"{what}: symbol counts do not sum to {m}")
-    nwords = r.varint(f"{what} ANS word count", r.left // 4)
-    nonzero = np.flatnonzero(counts)
-    if nonzero.size <= 1:
-        if nwords:
-            raise PositionsError(f"{what}: a one-symbol stream carries no ANS words")
-        return np.full(m, nonzero[0] if nonzero.size else 0, dtype=np.int32), alphabet
-    words = r.take(4 * nwords, f"{what} ANS words").view("<u4").astype(np.uint32)
-    if nwords == 0 or words[-1] == 0:
-        raise PositionsError(f"{what}: malformed ANS stream")
-    ans = _ans()
-    model = ans.stream.model.Categorical(counts.astype(np.float64) / float(m), perfect=False)
-    try:
-        coder = ans.stream.stack.AnsCoder(words)
-        sym = coder.decode(model, m)
-        empty = coder.is_empty()
-    except BaseException as e:  # the Rust coder reports bad data as ValueError or a panic
-        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
-            raise
-        raise PositionsError(f"{what}: corrupt ANS stream ({type(e).__name__})") from None
-    if not empty:
-        raise PositionsError(f"{what}: ANS stream does not end where its {m} symbols do")
-    if np.any(counts[nonzero] != np.bincount(sym, minlength=alphabet)[nonzero].astype(_U64)):
-        raise PositionsError(f"{what}: decoded symbols do not match the declared counts")
-    return sym, alphabet
-
-
-def symbols_size_estimate(counts: np.ndarray) -> float:
-    """Bytes a symbol stream with these counts takes (entropy + table), for choosing."""
-    table = float(np.count_nonzero(counts)) * 1.5 + 2 + len(counts) * 0.2
-    return entropy_bits(counts) / 8.0 + table + (4 if np.count_nonzero(counts) > 1 else 0)
-
-
-# ---------------------------------------------------------------- gaps
-
-
-def _choose_shift(g: np.ndarray) -> int:
-    """Rice shift r: quotients g >> r are entropy-coded, the r low bits sent raw.
-
-    Picks the best of three shifts around log2(mean gap) by estimated size, on a
-    sample of at most 2**16 gaps (the choice only affects size, never correctness)."""
-    s = g[:: max(1, g.size >> 16)]
-    mean = float(s.mean()) if s.size else 0.0
-    if mean < 2.0:
-        return 0
-    base = max(0, int(math.floor(math.log2(mean))) - 2)
-    best, best_r = None, base
-    for r in (base, base + 1, base + 2):
-        counts = np.bincount(np.minimum(s >> r, _SYMBOL_CAP_POSITIONS - 1))
-        esc = counts[_SYMBOL_CAP_POSITIONS - 1] if counts.size == _SYMBOL_CAP_POSITIONS else 0
-        size = entropy_bits(counts) + s.size * r + 24 * esc
-        if best is None or size < best:
-            best, best_r = size, r
-    return best_r
-
-
-def pack_bits(values: np.ndarray, r: int) -> bytes:
-    """The r low bits of each value (r <= 63), concatenated MSB first, zero-padded to a byte."""
-    n = values.size
-    if r == 0 or n == 0:
-        return b""
-    if r <= 8:  # 8 values of r bits make r bytes: build them in one uint64 per group
-        v = np.zeros(-(-n // 8) * 8, dtype=np.uint64)
-        v[:n] = values
-        v = v.reshape(-1, 8)
-        word = np.zeros(v.shape[0], dtype=np.uint64)
-        for j in range(8):
-            word |= v[:, j] << np.uint64(r * (7 - j))
-        out = word.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - r:].reshape(-1)
-        return out[:(n * r + 7) // 8].tobytes()
-    bits = (values.astype(np.uint64)[:, None] >> np.arange(r - 1, -1, -1, dtype=np.uint64)) & np.uint64(1)
-    return np.packbits(bits.astype(np.uint8).reshape(-1)).tobytes()
-
-
-def unpack_bits(packed: np.ndarray, n: int, r: int) -> np.ndarray:
-    """Inverse of pack_bits (uint64); rejects non-zero padding."""
-    if r == 0 or n == 0:
-        return np.zeros(n, dtype=_U64)
-    if r <= 8:
-        groups = -(-n // 8)
-        b = np.zeros(groups * r, dtype=np.uint8)
-        b[:packed.size] = packed
-        w = np.zeros((groups, 8), dtype=np.uint8)
-        w[:, 8 - r:] = b.reshape(groups, r)
-        word = w.reshape(-1).view(">u8").astype(np.uint64)
-        mask = np.uint64((1 << r) - 1)
-        out = np.empty((groups, 8), dtype=np.uint64)
-        for j in range(8):
-            out[:, j] = (word >> np.uint64(r * (7 - j))) & mask
-        if np.any(out.reshape(-1)[n:]):
-            raise PositionsError("packed bits: non-zero padding")
-        return out.reshape(-1)[:n]
-    bits = np.unpackbits(packed)
-    if np.any(bits[n * r:]):
-        raise PositionsError("packed bits: non-zero padding")
-    bits = bits[:n * r].reshape(n, r).astype(_U64)
-    low = np.zeros(n, dtype=_U64)
-    for j in range(r):  # at most 63 passes over one column of bits
-        low |= bits[:, j] << _U64(r - 1 - j)
-    return low
-
-
-def encode_gaps(positions: np.ndarray) -> bytes:
-    """Raw `gaps` section for sorted, validated uint64 positions (count >= 1).
-
-        varint r                     Rice shift, 0..63
-        symbol stream                quotients min(g >> r, 255) of the gaps, A <= 256
-        ceil(count*r/8) bytes        the r low bits of every gap, MSB first, zero-padded
-        varints                      for each quotient symbol 255 (when A == 256): (g >> r) - 255
-
-    where g_0 = p_0 and g_i = p_i - p_(i-1) - 1 (so g >= 0).
-    """
-    p = np.ascontiguousarray(positions, dtype=_U64).view(np.int64)  # positions < 2**63
-    g = np.empty_like(p)
-    g[0] = p[0]
-    np.subtract(p[1:], p[:-1], out=g[1:])
-    g[1:] -= 1
-    r = _choose_shift(g)
-    q = g >> r if r else g
-    top = int(q.max())
-    esc = _SYMBOL_CAP_POSITIONS - 1
-    sym = q.astype(np.int32) if top < esc else np.minimum(q, esc).astype(np.int32)
-    alphabet = min(top, esc) + 1
-    out = [leb128_encode(np.array([r], _U64)).tobytes(), encode_symbols(sym, alphabet)]
-    if r:
-        out.append(pack_bits((g & ((1 << r) - 1)).astype(np.uint64), r))
-    if alphabet == _SYMBOL_CAP_POSITIONS:
-        out.append(leb128_encode((q[sym == esc] - esc).astype(_U64)).tobytes())
-    return b"".join(out)
-
-
-def decode_gaps(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
-    """Positions (uint64) from a raw `gaps` section; validated against count and numel."""
-    if count == 0:
-        raise PositionsError("a 'gaps' section needs at least one position")
-    rd = Reader(raw)
-    r = rd.varint("gaps shift", 63)
-    sym, alphabet = decode_symbols(rd, count, _SYMBOL_CAP_POSITIONS, "gaps quotients")
-    g = sym.astype(_U64)
-    if r:
-        low = unpack_bits(rd.take((count * r + 7) // 8, "gaps low bits"), count, r)
-    if alphabet == _SYMBOL_CAP_POSITIONS:
-        where = np.flatnonzero(sym == _SYMBOL_CAP_POSITIONS - 1)
-        extra = rd.varints(where.size, "gaps escaped quotients")
-        if np.any(extra > _U64(MAX_NUMEL)):
-            raise PositionsError("gaps escaped quotient beyond 2**63")
-        g[where] += extra
-    rd.done("gaps section")
-    if np.any(g > _U64(MAX_NUMEL >> r)):
-        raise PositionsError("gap beyond 2**63")
-    if r:
-        g = (g << _U64(r)) | low
-    if np.any(g >= _U64(numel)):
-        raise PositionsError(f"position >= numel {numel}")
-    with np.errstate(over="ignore"):
-        pos = np.cumsum(g + _U64(1), dtype=_U64)
-    if pos.size > 1 and np.any(pos[1:] <= pos[:-1]):
-        raise PositionsError("positions overflow 64 bits")
-    if int(pos[-1]) > numel:
-        raise PositionsError(f"position {int(pos[-1]) - 1} >= numel {numel}")
-    pos -= _U64(1)
-    return pos
-
-
-# ================================================================ format v3: rANS streams
+# ================================================================ rANS streams
 #
-# A *rANS stream* codes m symbols from {0 .. A-1} like a symbol stream, but with the
-# package's own coder (nemo_dcr.kernels, compiled with numba): a static model quantised
-# to 2**16, two interleaved 32-bit rANS states, 16-bit words. Layout:
+# A *rANS stream* codes m symbols from {0 .. A-1} with the package's own coder
+# (nemo_dcr.kernels, compiled with numba): a static model quantised to 2**16 and sent
+# alongside, two interleaved 32-bit rANS states, 16-bit words. Layout:
 #
 #     varint A                      alphabet size, 1 <= A <= max_alphabet
 #     A varints                     quantised frequency of each symbol, 0..2**16; sum 2**16
@@ -463,8 +254,6 @@ def decode_gaps(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
 # decodes exactly m symbols, and requires both states to end at 2**16 with every word
 # read. Quantisation (`quantize`) is integer-only, so it is part of the format and the
 # same everywhere.
-
-from . import kernels as _k  # noqa: E402
 
 RANS_SCALE = _k.PROB_SCALE
 
@@ -542,6 +331,31 @@ def decode_rans(r: Reader, m: int, max_alphabet: int, what: str, out_dtype=np.in
     return sym, alphabet
 
 
+# ================================================================ gaps_rans
+
+_SYMBOL_CAP_POSITIONS = 256  # quotient alphabet of `gaps_rans` (the last symbol escapes)
+
+
+def _choose_shift(g: np.ndarray) -> int:
+    """Rice shift r: quotients g >> r are entropy-coded, the r low bits sent raw.
+
+    Picks the best of three shifts around log2(mean gap) by estimated size, on a
+    sample of at most 2**16 gaps (the choice only affects size, never correctness)."""
+    s = g[:: max(1, g.size >> 16)]
+    mean = float(s.mean()) if s.size else 0.0
+    if mean < 2.0:
+        return 0
+    base = max(0, int(math.floor(math.log2(mean))) - 2)
+    best, best_r = None, base
+    for r in (base, base + 1, base + 2):
+        counts = np.bincount(np.minimum(s >> r, _SYMBOL_CAP_POSITIONS - 1))
+        esc = counts[_SYMBOL_CAP_POSITIONS - 1] if counts.size == _SYMBOL_CAP_POSITIONS else 0
+        size = entropy_bits(counts) + s.size * r + 24 * esc
+        if best is None or size < best:
+            best, best_r = size, r
+    return best_r
+
+
 def _sample_gaps(p: np.ndarray) -> np.ndarray:
     """At most ~2**14 gaps of sorted int64 positions, evenly spread (shift choice only)."""
     step = max(1, p.size >> 14)
@@ -564,7 +378,7 @@ def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
         ceil(count*r/8) bytes        the r low bits of every gap, MSB first, zero-padded
         varints                      for each quotient symbol 255: (g >> r) - 255
 
-    with g_0 = p_0, g_i = p_i - p_(i-1) - 1 (the layout of `gaps`, another stream)."""
+    with g_0 = p_0, g_i = p_i - p_(i-1) - 1."""
     p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63
     n = p.size
     r = _choose_shift(_sample_gaps(p))

@@ -1,4 +1,4 @@
-"""Wire codec v2: round trips, every rejection reason, and fuzzing (invariant 4)."""
+"""Wire codec v3: round trips, every rejection reason, and fuzzing (invariant 4)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from nemo_dcr.codec import (
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.positions import (
     PositionsError,
-    decode_gaps,
+    decode_gaps_rans,
     decode_runs,
-    encode_gaps,
+    encode_gaps_rans,
     encode_runs,
     leb128_decode,
     leb128_encode,
@@ -685,7 +685,7 @@ def test_report_compression_1pct_bf16_ulp(capsys):
         print("\n" + "\n".join(lines))
 
 
-# -------------------------------------------------------------- v2 entropy-coded encodings
+# -------------------------------------------------------------- entropy-coded encodings
 
 
 def ulp_record(name, n, rate, op=Op.XOR, seed=0, dtype="BF16"):
@@ -762,20 +762,29 @@ def test_gaps_beyond_2_32_and_2_62():
     data = encode(payload(rec("huge", "I64", (2**31, 2**32), pos)))
     assert encodings(data)[0][0] == "gaps_rans"
     np.testing.assert_array_equal(decode(data).records[0].positions, pos)
-    raw = encode_gaps(pos)
-    np.testing.assert_array_equal(decode_gaps(raw, pos.size, 2**63), pos)
+    raw, _ = encode_gaps_rans(pos)
+    np.testing.assert_array_equal(decode_gaps_rans(raw, pos.size, 2**63), pos)
     with pytest.raises(PositionsError):
-        decode_gaps(raw, pos.size, 2**62)  # past numel
+        decode_gaps_rans(raw, pos.size, 2**62)  # past numel
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 3000), st.floats(0.0005, 1.0), st.integers(0, 2**32 - 1))
-def test_gaps_roundtrip_property(n, rate, seed):
-    rng = np.random.default_rng(seed)
-    pos = np.flatnonzero(rng.random(n) < rate).astype(np.uint64)
-    if pos.size == 0:
-        pos = np.array([n - 1], np.uint64)
-    np.testing.assert_array_equal(decode_gaps(encode_gaps(pos), pos.size, n), pos)
+@pytest.mark.parametrize("part, old, gone", [("positions", "gaps_rans", "gaps"),
+                                             ("values", "symbols_rans", "symbols")])
+def test_v2_constriction_encodings_are_unknown(part, old, gone):
+    """v2's `gaps` / `symbols` (constriction-coded) are not part of v3: a payload naming
+    them is rejected like any unknown encoding, by name, from the header alone."""
+    data = encode(payload(ulp_record("w", 100_000, 0.02)))
+    assert encodings(data) == [("gaps_rans", "symbols_rans")]
+
+    def rename(h, s):  # the section itself stays a valid gaps_rans / symbols_rans section
+        assert h["records"][0][part]["encoding"] == old
+        h["records"][0][part]["encoding"] = gone
+    bad = edited(rename, data)
+    kind = "position" if part == "positions" else "value"
+    e = reject(bad, f"unknown {kind} encoding '{gone}'")
+    assert e.payload_id == "rank3-0"
+    with pytest.raises(PayloadRejected, match=f"unknown {kind} encoding '{gone}'"):
+        peek_header(bad)
 
 
 def test_value_symbols_escape_and_wide_alphabets():
@@ -799,7 +808,7 @@ def _resealed_damage(data, trials, seed):
     accepted = 0
     for i in range(trials):
         # Damage the *raw* (decompressed) sections, recompress, reseal: exercises the
-        # gaps / symbols parsers themselves, not just zstd.
+        # gaps_rans / symbols_rans parsers themselves, not just zstd.
         h = json.loads(json.dumps(header))
         s = [dict(x) for x in secs]
         ri = int(rng.integers(0, len(s)))
@@ -840,12 +849,12 @@ def test_symbol_stream_limits_checked_before_allocation():
         h["records"][0]["shape"] = [2**41]
     reject(edited(huge_count, data), "max_raw_bytes")
 
-    def bad_alphabet(h, s):  # a symbol stream declaring a huge alphabet
+    def bad_alphabet(h, s):  # a rANS stream declaring a huge alphabet
         raw = leb128_encode(np.array([1, 0], np.uint64)).tobytes() + b"\1\0" + varints(10**9) + b"\0" * 8
         set_section(h, s, 0, "values", raw)
     reject(edited(bad_alphabet, data), "out of range")
 
-    def words_past_end(h, s):  # the ANS word count runs past the section
+    def words_past_end(h, s):  # the rANS word count runs past the section
         _, _, secs = split(data)
         raw = bytearray(zstandard.ZstdDecompressor().decompress(secs[0]["positions"]))
         raw[1:] = bytes([200]) + raw[2:]  # alphabet size byte -> 200 counts: sums no longer match

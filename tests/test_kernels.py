@@ -154,6 +154,34 @@ def test_quantize_sums_and_keeps_every_symbol():
         assert np.all((f > 0) == (np.array(counts) > 0))
 
 
+def test_raw_streams_are_pinned():
+    """The coder's output is part of the wire format: raw (pre-zstd) rANS, gaps_rans and
+    symbols_rans sections of fixed inputs, hashed from the kernels as first released."""
+    import hashlib
+
+    i = np.arange(20_001, dtype=np.int64)
+    sym = ((i * 2654435761) >> 7) % 97
+    sym = np.where(sym < 60, sym % 3, sym % 11).astype(np.int32)  # skewed, 11 symbols
+    pos = np.unique((i * i * 48271) % 1_000_003).astype(np.uint64)[::3]
+    vals = (((i * 40503) >> 5) % 13 + 1).astype(np.uint16)
+    raws = {"rans_odd": encode_rans(sym, np.bincount(sym)),
+            "rans_even": encode_rans(sym[:-1], np.bincount(sym[:-1])),
+            "rans_one": encode_rans(sym[:1], np.bincount(sym[:1])),
+            "gaps_rans": encode_gaps_rans(pos)[0],
+            "symbols_rans": codec.encode_value_symbols(vals, 2)}
+    pinned = {"rans_odd": "3c7bd2550b889642385649d35fd218de00cbf3e5a7d09e1c791613be53e35bb6",
+              "rans_even": "41e7dc638e7b9d16ca9c672c09764faca674156486ea5ff507c25a0b76c9845d",
+              "rans_one": "d3330235ada6123cc60e56311f444b5847c228a6e0f53c0f6903dd37e6335cb2",
+              "gaps_rans": "51b46dc42f9ceed696d30643ff46a6188def66d79b9977e8b5c054f52d53bef9",
+              "symbols_rans": "d44b0b015a4ebcfdd001f161d851cef9f40854928dfb308c99793a085c4150e2"}
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in raws.items()} == pinned
+    np.testing.assert_array_equal(decode_gaps_rans(raws["gaps_rans"], pos.size, 1_000_003), pos)
+    for key, m in (("rans_odd", sym.size), ("rans_even", sym.size - 1)):
+        rd = Reader(raws[key])
+        np.testing.assert_array_equal(decode_rans(rd, m, 16, "t")[0], sym[:m])
+        rd.done("t")
+
+
 # -------------------------------------------------------------- same bits without numba
 
 
