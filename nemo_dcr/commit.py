@@ -12,6 +12,7 @@ object storage.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from nemo_dcr.control_auth import check, sign
 from nemo_dcr.errors import TransportError
 from nemo_dcr.transport import CoordinatorEnd, TransferInfo
 
@@ -85,8 +87,9 @@ class DirectoryCommitLog(CommitLog):
 
 
 class Coordinator:
-    def __init__(self, end: CoordinatorEnd, log: CommitLog, *, timeout_s: float = 300.0):
-        self.end, self.log, self.timeout_s = end, log, timeout_s
+    def __init__(self, end: CoordinatorEnd, log: CommitLog, *, timeout_s: float = 300.0, key: bytes | None = None):
+        """`key`: the shared HMAC key; control messages are then signed and replies checked."""
+        self.end, self.log, self.timeout_s, self.key = end, log, timeout_s, key
         self.version = self.log.latest()
         self.times: dict[str, float] = {}  # seconds of the last transfer's phases (for metrics)
 
@@ -99,25 +102,50 @@ class Coordinator:
         t = time.perf_counter()
         self.times = {}
         try:
-            self.end.broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
-            replies = self.end.collect("ready", info.transfer_id, self.timeout_s)
+            self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
+            replies, problems = self._collect("ready", info.transfer_id)
         except TransportError as e:
             return [str(e)]
         finally:
             self.times["prepare"] = time.perf_counter() - t
-        return [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+        return problems + [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
 
-    def finish(self, info: TransferInfo, producer_problems: list[str]) -> Decision:
-        """Wait for every receiver's apply, then commit jointly or abort everywhere."""
+    def _broadcast(self, kind: str, meta: dict) -> None:
+        self.end.broadcast(kind, sign(self.key, kind, meta))
+
+    def _collect(self, kind: str, transfer_id: str) -> tuple[dict[str, dict], list[str]]:
+        """Replies whose MAC (with a key) checks out, and a problem for each one that does not."""
+        replies = self.end.collect(kind, transfer_id, self.timeout_s)
+        good, problems = {}, []
+        for rx, msg in sorted(replies.items()):
+            why = check(self.key, kind, msg)
+            if why is None and self.key is not None and msg.get("receiver") != rx:
+                why = f"signed by {msg.get('receiver')!r}, delivered as {rx!r}"
+            if why is None:
+                good[rx] = msg
+            else:
+                problems.append(f"{rx}: {why}")
+        return good, problems
+
+    def finish(self, info: TransferInfo, producer_problems: list[str],
+               payload_ids: list[str] | None = None) -> Decision:
+        """Wait for every receiver's apply, then commit jointly or abort everywhere.
+
+        `payload_ids`: every payload the producers sent; each receiver must report having
+        applied exactly these (end to end, whatever the manifests said on the way)."""
         reasons = list(producer_problems)
         replies: dict[str, dict] = {}
         t = time.perf_counter()
         if not reasons:
             try:
-                replies = self.end.collect("applied", info.transfer_id, self.timeout_s)
-                reasons += [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+                replies, problems = self._collect("applied", info.transfer_id)
+                reasons += problems + [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
             except TransportError as e:
                 reasons.append(str(e))
+        if not reasons and payload_ids is not None:
+            want = payload_set_digest(payload_ids)
+            reasons += [f"{r}: applied other payloads than the producers sent ({m.get('payloads')} != {want})"
+                        for r, m in sorted(replies.items()) if m.get("payloads") != want]
         self.times["wait_applied"] = time.perf_counter() - t
         t = time.perf_counter()
         if not reasons:
@@ -129,13 +157,13 @@ class Coordinator:
             self.abort(info, "; ".join(reasons))
             return Decision(info.transfer_id, False, self.version, reasons, replies)
         self.version = info.target_version
-        self.end.broadcast("commit", {"transfer_id": info.transfer_id, "version": self.version})
+        self._broadcast("commit", {"transfer_id": info.transfer_id, "version": self.version})
         self.times["commit"] = time.perf_counter() - t
         return Decision(info.transfer_id, True, self.version, [], replies)
 
     def abort(self, info: TransferInfo, reason: str) -> None:
         try:
-            self.end.broadcast("abort", {"transfer_id": info.transfer_id, "reason": reason})
+            self._broadcast("abort", {"transfer_id": info.transfer_id, "reason": reason})
         except TransportError:
             pass  # an unreachable receiver reverts on its next begin (see Receiver._on_begin)
 
@@ -143,8 +171,17 @@ class Coordinator:
         """Every receiver's serving version and per-tensor digests (and, with
         `dump_dir`, its full state written there as <receiver>.safetensors)."""
         tag = f"verify-{uuid.uuid4().hex[:8]}"
-        self.end.broadcast("verify", {"transfer_id": tag, "dump_dir": dump_dir})
-        return self.end.collect("verified", tag, self.timeout_s)
+        self._broadcast("verify", {"transfer_id": tag, "dump_dir": dump_dir})
+        replies, problems = self._collect("verified", tag)
+        for problem in problems:  # an unverifiable reply proves nothing: report it as such
+            rx = problem.split(":", 1)[0]
+            replies[rx] = {"receiver": rx, "version": None, "digests": {}, "error": problem}
+        return replies
 
     def shutdown(self) -> None:
-        self.end.broadcast("shutdown", {})
+        self._broadcast("shutdown", {"nonce": uuid.uuid4().hex})
+
+
+def payload_set_digest(payload_ids) -> str:
+    """Order-free digest of a set of payload ids (what a receiver applied)."""
+    return hashlib.blake2b("\n".join(sorted(set(payload_ids))).encode(), digest_size=16).hexdigest()

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from nemo_dcr import codec
+from nemo_dcr.commit import payload_set_digest
+from nemo_dcr.control_auth import check, sign
 from nemo_dcr.errors import DCRError, PayloadRejected
 from nemo_dcr.records import Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter
@@ -32,6 +34,7 @@ class _Transfer:
     undo: object = None
     applied: bool = False
     replied: bool = False
+    applied_payloads: str | None = None  # digest of the payload ids applied (see payload_set_digest)
     started: float = field(default_factory=time.perf_counter)
     stage_s: float = 0.0
     apply_s: float = 0.0
@@ -75,6 +78,13 @@ class Receiver:
         """Process one event; False once asked to shut down."""
         kind, meta = event.kind, event.meta
         try:
+            why = None if kind in ("payload", "manifest") else check(self.key, kind, meta)
+            if why is not None:  # payloads carry their own HMAC; manifests are checked end to end
+                self.log(f"[{self.id}] ignored a control message: {why}")
+                if kind == "begin" and isinstance(meta.get("transfer_id"), str):
+                    self._reply("ready", {"transfer_id": meta["transfer_id"],
+                                          "error": f"receiver {self.id} rejected the begin: {why}"})
+                return True
             if kind == "payload":
                 self._on_payload(event)
             elif kind == "begin":
@@ -102,12 +112,15 @@ class Receiver:
             self.runtime.revert(self.current.undo)
         self.current = None
         if info.base_version != self.serving_version:
-            self.end.reply("ready", {"transfer_id": info.transfer_id,
-                                     "error": f"receiver {self.id} serves version {self.serving_version}, "
-                                              f"transfer starts from {info.base_version}"})
+            self._reply("ready", {"transfer_id": info.transfer_id,
+                                  "error": f"receiver {self.id} serves version {self.serving_version}, "
+                                           f"transfer starts from {info.base_version}"})
             return
         self.current = _Transfer(info)
-        self.end.reply("ready", {"transfer_id": info.transfer_id, "error": None})
+        self._reply("ready", {"transfer_id": info.transfer_id, "error": None})
+
+    def _reply(self, kind: str, meta: dict) -> None:
+        self.end.reply(kind, sign(self.key, kind, {**meta, "receiver": self.id}))
 
     def _on_payload(self, event) -> None:
         meta = event.meta
@@ -172,6 +185,7 @@ class Receiver:
         if unlisted:
             return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
         records = [rec for pid in sorted(cur.staged) for rec in cur.staged[pid].records if rec.name in self.held]
+        cur.applied_payloads = payload_set_digest(cur.staged)
         t = time.perf_counter()
         try:
             cur.undo = self.runtime.apply(records)
@@ -185,9 +199,9 @@ class Receiver:
 
     def _reply_applied(self, cur: _Transfer, error: str | None) -> None:
         cur.replied = True
-        self.end.reply("applied", {
+        self._reply("applied", {
             "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
-            "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started,
+            "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started, "payloads": cur.applied_payloads,
         })
 
     def _on_commit(self, meta: dict) -> None:
@@ -216,7 +230,7 @@ class Receiver:
             path = os.path.join(meta["dump_dir"], f"{self.id}.safetensors")
             save_file({k: v.detach().contiguous().cpu() for k, v in self.runtime.canonical_state().items()}, path)
             reply["dump"] = path
-        self.end.reply("verified", reply)
+        self._reply("verified", reply)
 
     def digests(self) -> dict[str, str]:
         """BLAKE2b-128 of every canonical tensor's stored bits (for end-state checks)."""

@@ -41,6 +41,7 @@ class ProducerReport:
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("residual", "diff", "place", "encode", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
+    payload_ids: list[str] = field(default_factory=list)  # what the manifest lists
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -213,6 +214,7 @@ class Producer:
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
         rep.payloads = len(payload_ids)
+        rep.payload_ids = list(payload_ids)
         return rep
 
 

@@ -130,7 +130,7 @@ class TrainerRefit:
         self.coordinator = None
         if self.rank == 0:
             self.coordinator = Coordinator(transport.coordinator(), transport.commit_log(state_dir),
-                                           timeout_s=timeout_s)
+                                           timeout_s=timeout_s, key=key)
         version = bcast_json(self.coordinator.version if self.coordinator else None)
         rank_dir = None if baseline_dir is None else os.path.join(baseline_dir, f"rank{self.rank:05d}-of-{self.world}")
         self.baseline = Baseline(version=version, directory=rank_dir, fingerprint=fingerprint(
@@ -204,7 +204,8 @@ class TrainerRefit:
             bad = [f"producer {r['producer_id']}: {r['error']}" for r in reports if r["error"]]
             bad += [f"{rx} rejected {pid}: {why}" for r in reports for rx, d in r["rejected"].items()
                     for pid, why in d.items()]
-            decision = self.coordinator.finish(info, bad)
+            sent = [pid for r in reports for pid in r.get("payload_ids", [])]
+            decision = self.coordinator.finish(info, bad, payload_ids=sent)
         decision = self._decide(info, decision)
         times = dict(self.coordinator.times) if self.coordinator else {}
         return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times)

@@ -114,14 +114,14 @@ def test_empty_transfer_commits(checkpoint, tmp_path):
 
 
 def test_rejected_payload_aborts_and_leaves_everything_at_base(checkpoint, tmp_path):
-    """A receiver with the wrong HMAC key rejects every payload: the transfer fails,
+    """A receiver with the wrong HMAC key rejects the transfer (its begin, and any payload): it fails,
     no receiver bit changes, and the producers' baselines stay at version 0."""
     s = Setup(checkpoint, tmp_path, key=b"trainer-key", receiver_key=b"other-key")
     before = [{k: v.clone() for k, v in r.runtime.canonical_state().items()} for r in s.receivers]
     baseline_before = {k: s.refit.baseline.committed(k).clone() for k in s.refit.baseline.keys()}
     try:
         s.step()
-        with pytest.raises(TransferFailed, match="HMAC"):
+        with pytest.raises(TransferFailed, match="MAC"):
             s.refit.refit()
         assert s.refit.baseline.version == 0 and not s.refit.baseline.in_flight
         for k, v in baseline_before.items():

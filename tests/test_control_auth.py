@@ -1,0 +1,97 @@
+"""Control messages under a shared key: signed by the coordinator and the receivers,
+checked on arrival; forged or unsigned ones change nothing. And an end-to-end check that
+every receiver applied exactly the payloads the producers sent, whatever the manifests
+said on the way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nemo_dcr.commit import Coordinator, DirectoryCommitLog
+from nemo_dcr.control_auth import check, sign
+from nemo_dcr.errors import TransferFailed
+from tests.test_local_refit import Setup, checkpoint  # noqa: F401 - the module-scoped checkpoint fixture
+
+pytestmark = pytest.mark.usefixtures("single_rank_group")
+KEY = b"shared-control-key"
+
+
+def test_sign_and_check():
+    meta = sign(KEY, "commit", {"transfer_id": "t1", "version": 3})
+    assert check(KEY, "commit", meta) is None
+    assert check(KEY, "commit", {**meta, "kind": "commit", "receiver": "rx0"}) is None  # transport fields
+    assert "wrong MAC" in check(KEY, "commit", {**meta, "version": 4})
+    assert "wrong MAC" in check(b"other", "commit", meta)
+    assert "wrong MAC" in check(KEY, "abort", {**meta, "reason": "x", "signed": meta["signed"] + ["reason"]})
+    assert "unsigned" in check(KEY, "commit", {"transfer_id": "t1", "version": 3})
+    assert "signs too little" in check(KEY, "commit", sign(KEY, "commit", {"transfer_id": "t1"}))
+    assert check(None, "commit", {"anything": 1}) is None and sign(None, "commit", {"a": 1}) == {"a": 1}
+
+
+def test_forged_control_messages_change_nothing(checkpoint, tmp_path):  # noqa: F811
+    s = Setup(checkpoint, tmp_path, key=KEY)
+    try:
+        s.step()
+        assert s.refit.refit().decision.version == 1
+        # an intruder that reaches the receivers' sockets but lacks the key
+        log = DirectoryCommitLog(tmp_path / "intruder")
+        forger = Coordinator(s.transport.coordinator(), log, timeout_s=2, key=b"guessed-key")
+        forger.shutdown()
+        forger._broadcast("abort", {"transfer_id": "v1-v2-any", "reason": "forged"})
+        unsigned = Coordinator(s.transport.coordinator(), log, timeout_s=2)
+        unsigned.shutdown()
+        forger.end.close()
+        unsigned.end.close()
+        time.sleep(0.5)
+        assert all(t.is_alive() for t in s.threads)  # nobody shut down
+        s.step()
+        result = s.refit.refit()
+        assert result.decision.committed and result.decision.version == 2
+        assert all(r.serving_version == 2 for r in s.receivers)
+    finally:
+        s.close()
+
+
+def test_a_receiver_with_another_key_is_named(checkpoint, tmp_path):  # noqa: F811
+    s = Setup(checkpoint, tmp_path, key=KEY, receiver_key=b"other-key")
+    try:
+        s.step()
+        with pytest.raises(TransferFailed, match=r"rx0: .*wrong MAC"):
+            s.refit.refit()
+        assert all(r.serving_version == 0 for r in s.receivers) and s.refit.baseline.version == 0
+    finally:
+        s.close()
+
+
+class _LosingEnd:
+    """A producer end that loses one payload and edits it out of the manifest."""
+
+    def __init__(self, end, lose: str):
+        self.end, self.lose = end, lose
+
+    def send(self, transfer, payload_id, data):
+        if payload_id != self.lose:
+            self.end.send(transfer, payload_id, data)
+
+    def flush(self, transfer, payload_ids):
+        return self.end.flush(transfer, [p for p in payload_ids if p != self.lose])
+
+    def close(self):
+        self.end.close()
+
+
+def test_a_payload_missing_from_both_data_and_manifest_aborts(checkpoint, tmp_path):  # noqa: F811
+    s = Setup(checkpoint, tmp_path)
+    try:
+        s.step()
+        s.refit.producer.end = _LosingEnd(s.refit.producer.end, "p0-000001")
+        with pytest.raises(TransferFailed, match="applied other payloads than the producers sent"):
+            s.refit.refit()
+        assert all(r.serving_version == 0 for r in s.receivers) and s.refit.baseline.version == 0
+        s.refit.producer.end = s.refit.producer.end.end
+        result = s.refit.refit()  # the next transfer, against the committed baseline, is whole again
+        assert result.decision.committed and result.decision.version == 1
+    finally:
+        s.close()
