@@ -70,6 +70,9 @@ def test_a_missing_key_variable_is_named_without_its_value(monkeypatch):
     ({"timeout_s": 0}, f"{P}.timeout_s must be a positive float"),
     ({"max_payload_elements": 2.5}, f"{P}.max_payload_elements must be a positive int"),
     ({"anchors_every": 5}, f"{P}.anchors_every: unknown field"),
+    ({"metrics_port": 70000}, f"{P}.metrics_port must be a TCP port number (1-65535), got 70000"),
+    ({"metrics_port": "9464"}, f"{P}.metrics_port must be a TCP port number"),
+    ({"metrics_port": True}, f"{P}.metrics_port must be a TCP port number"),
 ])
 def test_each_mistake_names_its_field(changes, message):
     with pytest.raises(ConfigError) as info:
@@ -92,3 +95,18 @@ def test_all_problems_at_once_and_transport_specific_rules():
     local = with_dcr(transport="local", s3=None, local={"dir": "/dev/shm/job"}, state_dir="/shared/state")
     local["colocated"] = {"enabled": True}
     assert from_generation_config(local).transport_config == {"dir": "/dev/shm/job"}
+
+
+def test_metrics_port_is_optional():
+    assert from_generation_config(example_generation()).metrics_port is None
+    assert from_generation_config(with_dcr(metrics_port=9464)).metrics_port == 9464
+
+
+def test_relay_with_curve_validates():
+    relay = {"nodes": [{"id": "vllm0", "endpoint": "tcp://10.0.0.5:5555"}], "coordinator": "tcp://10.0.0.1:5600",
+             "curve_secret_env": "DCR_CURVE_SECRET"}
+    settings = from_generation_config(with_dcr(transport="relay", s3=None, relay=relay, state_dir="/shared/s"))
+    assert settings.transport_config["curve_secret_env"] == "DCR_CURVE_SECRET"
+    with pytest.raises(ConfigError, match=f"{P}.relay.curve_secret_env must name an environment variable"):
+        from_generation_config(with_dcr(transport="relay", s3=None, relay={**relay, "curve_secret_env": ""},
+                                        state_dir="/shared/s"))

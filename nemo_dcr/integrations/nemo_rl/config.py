@@ -14,6 +14,7 @@ choice there, beside NeMo RL's own collective / CUDA-IPC refit:
             s3: {bucket: rl-refit, region: us-west-2, prefix: job-42}
             converter: qwen3                   # registry name; default: the HF model_type
             state_dir: /shared/job-42/dcr      # commit records (the s3 transport keeps them in the bucket)
+            metrics_port: 9464                 # optional: Prometheus endpoint on the trainer's rank 0
 
 Every problem is reported at once, each naming its full path (`policy.generation.
 refit_cfg.dcr.<field>`), before anything starts. Unknown fields are errors, not ignored:
@@ -37,7 +38,7 @@ BASELINE_STORAGE = ("memory", "mmap")
 _TRANSPORT_FIELDS = {
     "local": ({"dir", "max_in_flight_bytes", "timeout_s"}, set()),
     "relay": ({"nodes", "coordinator", "coordinator_bind", "fanout", "timeout_s", "max_in_flight_bytes",
-               "window_bytes", "window_payloads", "hwm", "local_queue"}, {"nodes", "coordinator"}),
+               "window_bytes", "window_payloads", "hwm", "local_queue", "curve_secret_env"}, {"nodes", "coordinator"}),
     "s3": ({"bucket", "endpoint_url", "region", "profile", "prefix", "timeout_s", "poll_s", "max_in_flight_bytes",
             "part_size", "multipart_threshold", "upload_concurrency", "prefetch", "ack_concurrency", "max_attempts",
             "addressing_style", "keep_payloads"}, {"bucket"}),
@@ -68,6 +69,7 @@ class DCRSettings:
     verify: str = "every_refit"
     timeout_s: float = 300.0
     max_payload_elements: int = 1 << 20
+    metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
 
     def key(self) -> bytes | None:
         """The HMAC key from the environment (never stored in the config, never logged)."""
@@ -111,7 +113,7 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
                                       f"section (e.g. transport: s3 with s3: {{bucket: ...}})"])
     checker = _Checker(problems)
     known = {"transport", "converter", "converter_options", "op", "state_dir", "baseline", "key_env", "verify",
-             "timeout_s", "max_payload_elements", *registry.available("nemo_dcr.transports")}
+             "timeout_s", "max_payload_elements", "metrics_port", *registry.available("nemo_dcr.transports")}
     for unknown in sorted(set(cfg) - known):
         problems.append(f"{PATH}.{unknown}: unknown field (known: {', '.join(sorted(known))})")
 
@@ -129,6 +131,10 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
             problems.append(f"{PATH}.{transport}.{missing} is required by the {transport} transport")
     if transport == "relay" and not (isinstance(transport_config.get("nodes"), list) and transport_config["nodes"]):
         problems.append(f"{PATH}.relay.nodes must be a non-empty list of {{id: ..., endpoint: tcp://host:port}}")
+    curve = transport_config.get("curve_secret_env") if transport == "relay" else None
+    if curve is not None and (not isinstance(curve, str) or not curve):
+        problems.append(f"{PATH}.relay.curve_secret_env must name an environment variable (the CURVE secret "
+                        f"stays in the environment), got {curve!r}")
     if colocated and transport not in (None, "local"):
         problems.append(f"{PATH}.transport: colocated generation (policy.generation.colocated.enabled) shares the "
                         f"trainer's nodes; use the local transport (shared memory / CUDA IPC), not {transport}")
@@ -155,12 +161,17 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     verify = checker.choice(cfg, "verify", VERIFY_MODES, default="every_refit")
     timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
     max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
+    metrics_port = cfg.get("metrics_port")
+    if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
+                                     or not 1 <= metrics_port <= 65535):
+        problems.append(f"{PATH}.metrics_port must be a TCP port number (1-65535), got {metrics_port!r}")
+        metrics_port = None
     if problems:
         raise ConfigError(problems)
     return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
                        converter_options=dict(options), op=Op(op), state_dir=state_dir, baseline_storage=storage,
                        baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
-                       max_payload_elements=max_payload)
+                       max_payload_elements=max_payload, metrics_port=metrics_port)
 
 
 class _Checker:
