@@ -23,7 +23,7 @@ def _repo_root() -> Path:
                      "(it needs examples/ and tests/support/) and run it again")
 
 
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "mixtral")
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "mixtral")
 
 
 def make_checkpoint(out: str | os.PathLike, *, family: str = "qwen3", hidden: int = 256, layers: int = 4,
@@ -33,9 +33,11 @@ def make_checkpoint(out: str | os.PathLike, *, family: str = "qwen3", hidden: in
 
     MoE families get `experts` routed experts (top-2); Qwen3-MoE experts are ffn/4 wide."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[family]
+    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig,
+           "mixtral": MixtralConfig}[family]
     moe = {"qwen3_moe": {"num_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": ffn // 4},
            "mixtral": {"num_local_experts": experts, "num_experts_per_tok": 2}}.get(family, {})
     config = cls(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,

@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 TP2_DP2 = ["--tp", "2", "--dp", "2", "--pp", "1", "--family", "qwen3"]
 TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
+# Qwen2: q/k/v biases follow their weights' fused-QKV layout, under TP and PP.
+QWEN2_TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "qwen2"]
 # Virtual PP: each PP rank holds two model chunks (layers 0,2 / 1,3), names carry global layer ids.
 PP2_VPP2_DP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--vpp", "2", "--family", "llama", "--tied"]
 # Fused QKV as a residual: DP ranks split the producing of q/k/v (whoever owns local element 0).
@@ -39,6 +41,7 @@ MIXTRAL_TP2_SP_DP2_EP2 = ["--tp", "2", "--sp", "--dp", "2", "--pp", "1", "--ep",
     [
         pytest.param(TP2_DP2, "local", id="tp2-dp2-distopt-qwen3-local"),
         pytest.param(TP2_PP2, "local", id="tp2-pp2-llama-tied-local"),
+        pytest.param(QWEN2_TP2_PP2, "local", id="tp2-pp2-qwen2-local"),
         pytest.param(PP2_VPP2_DP2, "local", id="pp2-vpp2-dp2-llama-tied-local"),
         pytest.param(TP2_DP2, "relay", id="tp2-dp2-distopt-qwen3-relay"),
         pytest.param(TP2_PP2, "s3", id="tp2-pp2-llama-tied-s3"),

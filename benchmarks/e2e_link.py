@@ -1,0 +1,389 @@
+"""End-to-end refit over a shaped link, beside a full-checkpoint transfer over the same link.
+
+    sudo python benchmarks/e2e_link.py                 # ~15-30 min: 1.07B params, 2 producers, 2 receivers
+    python benchmarks/e2e_link.py --smoke --no-shape   # seconds: tiny model, unshaped loopback (CI smoke)
+
+Set-up (root: it needs a network namespace): a private network namespace whose loopback
+is shaped with `tc tbf` to --mbit (1000: 1 Gbit/s); everything below runs inside it, so
+every byte between processes crosses the shaped link.
+1. A random-init Qwen3-style BF16 checkpoint of --hidden/--layers (default 1.07B params,
+   2.15 GB) is written as safetensors.
+2. The link is measured (one TCP stream), and memcpy on one core.
+3. Reference, full checkpoint: one producer sends the checkpoint's bytes (4 MiB payloads)
+   over the relay tree to --receivers stage-only receivers; timed until every receiver
+   staged everything (transport only, as the paper's reference). The dense in-memory load
+   of the same model through the receivers' loader (`load_state_dict`) is timed too.
+4. Delta refits: --producers torchrun ranks (benchmarks/e2e_producer.py) each hold a
+   replica and own an even share; Hugging Face receivers (`nemo-dcr receive`) sit on the
+   relay tree; one refit per --rates entry, each verified against the trainer's state
+   (verification timed separately).
+Lower bound per refit: max(bytes that cross the link / link rate, bytes scanned /
+(memcpy per core x cores)); every receiver's copy crosses the one shaped loopback, so the
+link carries wire bytes x receivers (and the dense reference checkpoint x receivers).
+Results: benchmarks/results/e2e_link.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def log(msg: str) -> None:
+    print(f"[e2e] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- outside the namespace ----------------------------------------------------------------
+
+def run_shaped(args, argv: list[str]) -> int:
+    """Create the namespace, shape its loopback, run this script inside it, clean up."""
+    if os.geteuid() != 0:
+        raise SystemExit("e2e_link: shaping needs root (ip netns, tc); run with sudo, or --no-shape")
+    ns = f"nemo-dcr-e2e-{os.getpid()}"
+    burst = max(64 * 1024, int(args.mbit * 1e6 / 8 / 250))  # at least one timer tick of data
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{args.mbit}mbit",
+                        "burst", str(burst), "latency", "50ms"], check=True)
+        log(f"namespace {ns}: loopback shaped to {args.mbit} Mbit/s (tbf, burst {burst} B)")
+        return subprocess.call(["ip", "netns", "exec", ns, sys.executable, __file__, *argv, "--inside"])
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+# --- inside -------------------------------------------------------------------------------
+
+def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int = 0) -> int:
+    """A random BF16 Qwen3-style checkpoint, written tensor by tensor (no full model in RAM)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    heads = max(1, hidden // 128)
+    config = Qwen3Config(hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                         head_dim=128 if hidden >= 128 else hidden, vocab_size=vocab, tie_word_embeddings=False,
+                         max_position_embeddings=1024, torch_dtype="bfloat16")
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+    d, f, hd = hidden, config.intermediate_size, config.head_dim
+    q, kv = heads * hd, config.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                       p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f)})
+    params, shard, shard_bytes, index = 0, {}, 0, {}
+    files = 0
+
+    def flush():
+        nonlocal shard, shard_bytes, files
+        if shard:
+            name = f"model-{files:05d}.safetensors"
+            save_file(shard, path / name, metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, name))
+            files += 1
+            shard, shard_bytes = {}, 0
+
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            t = (1 + 0.05 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        else:
+            t = (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        shard[name] = t
+        shard_bytes += t.numel() * 2
+        params += t.numel()
+        if shard_bytes > 1 << 30:
+            flush()
+    flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": params * 2},
+                                                                     "weight_map": index}))
+    return params
+
+
+def measure_link(nbytes: int) -> float:
+    """Bits per second of one TCP stream over loopback (the shaped link)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    got = []
+
+    def sink():
+        conn, _ = srv.accept()
+        n = 0
+        while chunk := conn.recv(1 << 20):
+            n += len(chunk)
+        got.append(n)
+        conn.close()
+
+    th = threading.Thread(target=sink)
+    th.start()
+    block = os.urandom(1 << 20)
+    t = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        for _ in range(nbytes >> 20):
+            c.sendall(block)
+    th.join()
+    seconds = time.perf_counter() - t
+    srv.close()
+    return got[0] * 8 / seconds
+
+
+def memcpy_gbs() -> float:
+    import numpy as np
+
+    a = np.ones(64 << 20, np.uint32)  # 256 MiB
+    b = np.empty_like(a)
+    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def relay_config(receivers: list[str]) -> dict:
+    return {"nodes": [{"id": r, "endpoint": f"tcp://127.0.0.1:{free_port()}"} for r in receivers],
+            "coordinator": f"tcp://127.0.0.1:{free_port()}", "fanout": 2, "timeout_s": 600,
+            "max_in_flight_bytes": 256 << 20}
+
+
+def start(cmd: list[str], logfile: Path, env: dict) -> subprocess.Popen:
+    with open(logfile, "wb") as f:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+def wait_for(marker: str, logs: list[Path], procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        texts = [p.read_text(errors="replace") if p.exists() else "" for p in logs]
+        if all(marker in t for t in texts):
+            return
+        for proc, text in zip(procs, texts):
+            if proc.poll() is not None:
+                raise RuntimeError(f"a process exited {proc.returncode}:\n{text[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"'{marker}' not seen within {timeout} s")
+        time.sleep(0.2)
+
+
+def dense_reference(ckpt: Path, receivers: list[str], work: Path, env: dict) -> float:
+    """Seconds to deliver the checkpoint's bytes to every stage-only receiver over the tree."""
+    from nemo_dcr import registry
+    from nemo_dcr.transport import TransferInfo
+
+    config = relay_config(receivers)
+    procs, logs = [], []
+    for rx in receivers:
+        logs.append(work / f"dense-{rx}.log")
+        procs.append(start([sys.executable, "-m", "benchmarks.bench_receiver", "--transport", "relay",
+                            "--config", json.dumps(config), "--id", rx], logs[-1], env))
+    transport = registry.transport("relay", config, receivers=receivers)
+    coord = transport.coordinator()
+    prod = transport.producer("p0")
+    try:
+        time.sleep(2.0)  # the receivers bind their relays
+        info = TransferInfo(uuid.uuid4().hex[:12], 0, 1, ("p0",))
+        coord.broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
+        coord.collect("ready", info.transfer_id, 120)
+        ids = []
+        t = time.perf_counter()
+        for f in sorted(ckpt.glob("*.safetensors")):
+            with open(f, "rb") as fh:
+                while chunk := fh.read(4 << 20):
+                    ids.append(f"p0-{len(ids):06d}")
+                    prod.send(info, ids[-1], chunk)
+        rejected = prod.flush(info, ids)
+        seconds = time.perf_counter() - t
+        if rejected:
+            raise RuntimeError(f"dense reference rejected: {rejected}")
+        coord.broadcast("shutdown", {})
+    finally:
+        prod.close()
+        coord.close()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return seconds
+
+
+def dense_load_s(ckpt: Path) -> float:
+    """A dense in-memory load of the whole model through the receivers' loader (load_state_dict)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    state = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        state.update(load_file(f))
+    return min(_timed(lambda: model.load_state_dict(state, strict=False)) for _ in range(3))
+
+
+def inside(args) -> int:
+    import torch
+
+    torch.set_num_threads(1)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="nemo-dcr-e2e-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    receivers = [f"rx{i}" for i in range(args.receivers)]
+    rates = [float(r) for r in args.rates.split(",")]
+    try:
+        ckpt = work / "checkpoint"
+        log(f"1/5 writing a {args.layers}-layer, hidden-{args.hidden} BF16 checkpoint to {ckpt}")
+        params = write_checkpoint(ckpt, args.hidden, args.layers, args.vocab)
+        dense_bytes = params * 2
+        log(f"    {params / 1e9:.3f}B params, {dense_bytes / 1e9:.2f} GB")
+        link_bps = measure_link(args.link_probe_mb << 20)
+        mem = memcpy_gbs()
+        cores = os.cpu_count() or 1
+        log(f"2/5 link {link_bps / 1e9:.3f} Gbit/s (one TCP stream); memcpy {mem:.2f} GB/s per core, {cores} cores")
+        log(f"3/5 full checkpoint to {len(receivers)} receivers over the relay tree (transport only)")
+        dense_s = dense_reference(ckpt, receivers, work, env)
+        load_s = dense_load_s(ckpt)
+        log(f"    {dense_s:.1f} s transfer; dense load_state_dict {load_s:.2f} s")
+        log(f"4/5 {args.producers} producers, {len(receivers)} HF receivers, refits at {rates}")
+        config = relay_config(receivers)
+        procs, logs = [], []
+        for rx in receivers:
+            logs.append(work / f"{rx}.log")
+            procs.append(start([sys.executable, "-m", "nemo_dcr.cli", "receive", "--checkpoint", str(ckpt),
+                                "--transport", "relay", "--transport-config", json.dumps(config), "--id", rx],
+                               logs[-1], env))
+        wait_for("serving version 0", logs, procs, 900)
+        rows_path = work / "rows.jsonl"
+        rows_path.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.producers),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               str(REPO / "benchmarks" / "e2e_producer.py"), "--checkpoint", str(ckpt),
+               "--transport-config", json.dumps(config), "--state-dir", str(work / "state"),
+               "--rates", ",".join(map(str, rates)), "--results", str(rows_path)]
+        shutil.rmtree(work / "state", ignore_errors=True)
+        rc = subprocess.call(cmd, cwd=REPO, env=env)
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if rc != 0:
+            raise RuntimeError(f"producers exited {rc}; receiver logs in {work}")
+        rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+        log("5/5 results")
+        full_refit_s = dense_s + load_s
+        out_rows = []
+        for r in rows:
+            link_bytes = r["wire_bytes"] * len(receivers)
+            bound = max(link_bytes * 8 / link_bps, dense_bytes / (mem * 1e9 * cores))
+            out_rows.append({
+                "rate": r["rate"], "bit_exact": r["bit_exact"], "refit_s": r["refit_s"], "wire_bytes": r["wire_bytes"],
+                "changed_elements": r["changed_elements"], "lower_bound_s": bound,
+                "refit_over_bound": r["refit_s"] / bound, "speedup_vs_dense_transfer": dense_s / r["refit_s"],
+                "pause_s": r["pause_s"], "receiver_stage_s": r["receiver_stage_s"],
+                "pause_over_full_refit": r["pause_s"] / full_refit_s, "verify_s": r["verify_s"],
+                "producer": {k: v for k, v in r.items() if k.startswith("producer_")},
+            })
+            log(f"    {r['rate']:.0%}: refit {r['refit_s']:.2f} s vs dense {dense_s:.1f} s -> "
+                f"{dense_s / r['refit_s']:.1f}x; lower bound {bound:.2f} s ({r['refit_s'] / bound:.2f}x of it); "
+                f"pause {r['pause_s']:.2f} s ({r['pause_s'] / full_refit_s:.3f} of a full refit); "
+                f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
+        result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
+                  "params": params, "dense_bytes": dense_bytes, "producers": args.producers,
+                  "receivers": len(receivers), "link_gbps_measured": link_bps / 1e9, "memcpy_gbs_per_core": mem,
+                  "cores": cores, "dense_transfer_s": dense_s, "dense_load_s": load_s,
+                  "full_refit_s": full_refit_s, "rows": out_rows,
+                  "machine": {"python": platform.python_version(), "platform": platform.platform()}}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        name = "e2e_link_smoke" if args.smoke else "e2e_link"
+        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+        log(f"wrote {RESULTS / f'{name}.json'}")
+        if not args.smoke:
+            plot(result, RESULTS / f"{name}.png")
+        return 0 if all(r["bit_exact"] for r in out_rows) else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = ["full checkpoint"] + [f"delta {r['rate']:.0%}" for r in rows]
+    values = [result["dense_transfer_s"]] + [r["refit_s"] for r in rows]
+    bounds = [None] + [r["lower_bound_s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(labels, values, color=["#999"] + ["#4a7"] * len(rows))
+    for i, b in enumerate(bounds):
+        if b:
+            ax.plot([i - 0.4, i + 0.4], [b, b], "k--", lw=1)
+    ax.set_ylabel("seconds")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['params'] / 1e9:.2f}B params, {result['receivers']} receivers, "
+                 f"{result['link_gbps_measured']:.2f} Gbit/s link (dashed: lower bound)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--rates", default="0.03,0.05")
+    ap.add_argument("--mbit", type=int, default=1000)
+    ap.add_argument("--link-probe-mb", type=int, default=200)
+    ap.add_argument("--no-shape", action="store_true", help="run on the plain loopback (no namespace, no root)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
+    ap.add_argument("--workdir")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.link_probe_mb = 128, 2, 512, 8
+    if args.inside or args.no_shape:
+        return inside(args)
+    return run_shaped(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

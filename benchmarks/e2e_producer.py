@@ -1,0 +1,106 @@
+"""torchrun worker of benchmarks/e2e_link.py: one of the producer processes.
+
+Every rank loads the same BF16 checkpoint (a replica, as DP ranks hold one), owns an even
+share of every parameter (`torch_owned_ranges`), and refits the receivers over the relay
+tree once per change rate: the same seeded ±1-ULP changes are applied on every rank (so
+the replicas stay equal), then `TrainerRefit.refit()` is timed. After each refit rank 0
+compares every receiver's digests with its own state (timed separately) and appends one
+JSON line to --results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def perturb(model: torch.nn.Module, rate: float, seed: int) -> int:
+    """Move `rate` of every parameter's elements by ±1 ULP (same on every rank)."""
+    rng = np.random.default_rng(seed)
+    changed = 0
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            bits = p.data.view(torch.int16).view(-1)
+            n = bits.numel()
+            k = int(rng.binomial(n, rate))
+            pos = torch.from_numpy(rng.choice(n, size=k, replace=False) if k < n // 8
+                                   else np.flatnonzero(rng.random(n, dtype=np.float32) < rate))
+            step = torch.from_numpy(rng.choice(np.array([1, -1], np.int16), size=pos.numel()))
+            bits[pos] += step
+            changed += pos.numel()
+    return changed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--transport-config", required=True)
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--rates", required=True, help="comma-separated change rates, one refit each")
+    ap.add_argument("--results", required=True)
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from nemo_dcr import registry
+    from nemo_dcr.capture import torch_owned_ranges
+    from nemo_dcr.checkpoint import read_specs
+    from nemo_dcr.layout import ParallelLayout
+    from nemo_dcr.trainer import TrainerRefit
+    from nemo_dcr.verify import state_digests
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
+    config = json.loads(args.transport_config)
+    transport = registry.transport("relay", config, receivers=[n["id"] for n in config["nodes"]])
+    refit = TrainerRefit(registry.converter("identity", model.config), read_specs(args.checkpoint),
+                         torch_owned_ranges(model, rank, world), ParallelLayout(dp_size=world, dp_rank=rank),
+                         transport, state_dir=args.state_dir, max_payload_elements=1 << 21, timeout_s=600)
+    if rank == 0:
+        print(f"[producer] {world} producers ready in {time.perf_counter() - t:.1f} s", flush=True)
+    for i, rate in enumerate(float(r) for r in args.rates.split(",")):
+        changed = perturb(model, rate, seed=1000 + i)
+        dist.barrier()
+        result = refit.refit()
+        t = time.perf_counter()
+        state = {k: v for k, v in model.state_dict().items()}
+        mismatches = refit.verify(state_digests(state) if rank == 0 else None)
+        verify_s = time.perf_counter() - t
+        if rank == 0:
+            m = result.metrics()
+            exact = all(not bad for bad in mismatches.values())
+            row = {"rate": rate, "changed_elements": changed, "bit_exact": exact, "verify_s": verify_s,
+                   "mismatches": {rx: bad[:3] for rx, bad in mismatches.items()}, **m}
+            with open(args.results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"[producer] {rate:.1%}: refit {m['refit_s']:.2f} s, wire {m['wire_bytes'] / 1e6:.1f} MB, "
+                  f"pause {m['pause_s']:.2f} s, verify {verify_s:.1f} s, bit-exact: {exact}", flush=True)
+        dist.barrier()
+    refit.close(shutdown_receivers=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
