@@ -35,6 +35,7 @@ class RefitResult:
     seconds: float = 0.0
     dense_bytes: int = 0
     coordinator_times: dict = field(default_factory=dict)  # prepare / wait_applied / commit (rank 0)
+    failed_before: int = 0  # transfers that failed since the previous commit (this one recovered them)
 
     @property
     def scanned_elements(self) -> int:
@@ -82,6 +83,10 @@ class RefitResult:
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
             "pause_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
             "receivers": len(self.decision.receivers),
+            # A failed transfer is aborted everywhere and the next one is taken against the
+            # committed version again: these count those retries and the commit that ends them.
+            "retries": self.failed_before,
+            "recovered": self.failed_before > 0,
             **{f"coordinator_{k}_s": v for k, v in sorted(self.coordinator_times.items())},
         }
 
@@ -117,6 +122,7 @@ class TrainerRefit:
         assume_committed: bool = False,
     ):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.failed_since_commit = 0
         self.specs = specs
         self.dense_bytes = sum(_nbytes(dt, shape) for dt, shape in specs.values())
         local = list({r.param.name: r.param for r in owned}.values())
@@ -208,7 +214,8 @@ class TrainerRefit:
             decision = self.coordinator.finish(info, bad, payload_ids=sent)
         decision = self._decide(info, decision)
         times = dict(self.coordinator.times) if self.coordinator else {}
-        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times)
+        failed, self.failed_since_commit = self.failed_since_commit, 0
+        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times, failed)
 
     def _decide(self, info: TransferInfo, decision: Decision | None) -> Decision:
         d = bcast_json(decision.to_json() if decision else None)
@@ -217,6 +224,7 @@ class TrainerRefit:
             self.baseline.commit()
         else:
             self.baseline.abort()
+            self.failed_since_commit += 1
             raise TransferFailed(f"transfer {info.transfer_id} did not commit: " + "; ".join(decision.reasons))
         return decision
 

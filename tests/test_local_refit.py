@@ -142,10 +142,14 @@ def test_failed_transfer_is_resent_against_the_committed_baseline(checkpoint, tm
         s.receivers[0].serving_version = 7  # the receiver now refuses to begin from v0
         with pytest.raises(TransferFailed, match="serves version 7"):
             s.refit.refit()
+        with pytest.raises(TransferFailed, match="serves version 7"):
+            s.refit.refit()
         s.receivers[0].serving_version = 0
         s.step()
         result = s.refit.refit()
         assert result.decision.committed and result.decision.version == 1
+        assert result.metrics()["retries"] == 2 and result.metrics()["recovered"] is True
+        assert s.refit.refit().metrics()["retries"] == 0  # counted once, by the commit that ended them
         assert bit_mismatches(s.expected(), s.receivers[0].runtime.canonical_state()) == []
     finally:
         s.close()
