@@ -314,3 +314,21 @@ def map_symbols(vals, lut, sym):
 def lookup(sym, table, out):
     for i in range(sym.size):
         out[i] = table[sym[i]]
+
+
+# ======================================================================== apply
+
+
+@_jit
+def scatter_apply(flat, pos, vals, op):
+    """In place on an unsigned bit view: flat[pos] ^= vals (op 0), += vals wrapping (op 1)
+    or = vals (op 2). `pos` is checked by the caller (sorted, in range)."""
+    if op == 0:
+        for i in range(pos.size):
+            flat[pos[i]] ^= vals[i]
+    elif op == 1:
+        for i in range(pos.size):
+            flat[pos[i]] += vals[i]
+    else:
+        for i in range(pos.size):
+            flat[pos[i]] = vals[i]

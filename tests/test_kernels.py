@@ -340,3 +340,22 @@ def test_v3_decoder_rejects_unknown_encoding_by_name():
 @needs_numba
 def test_kernels_are_compiled():
     assert hasattr(kernels.rans_encode, "signatures")
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("op", [0, 1, 2])
+def test_scatter_apply_matches_numpy(width, op):
+    """The receiver's compiled sparse apply (xor / wrapping add / set) against numpy."""
+    rng = np.random.default_rng(width * 10 + op)
+    dt = np.dtype(f"<u{width}")
+    flat = rng.integers(0, np.iinfo(dt).max, 5000, dtype=dt, endpoint=True)
+    pos = np.sort(rng.choice(5000, 700, replace=False)).astype(np.uint64)
+    vals = rng.integers(0, np.iinfo(dt).max, 700, dtype=dt, endpoint=True)
+    want = flat.copy()
+    idx = pos.astype(np.int64)
+    with np.errstate(over="ignore"):
+        want[idx] = [want[idx] ^ vals, want[idx] + vals, vals][op]
+    for fn in (kernels.scatter_apply, kernels.scatter_apply.py_func):
+        got = flat.copy()
+        fn(got, pos, vals, op)
+        assert np.array_equal(got, want)

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_dcr import dtypes
+from nemo_dcr import dtypes, kernels
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
@@ -68,6 +68,17 @@ def storage_key(t: torch.Tensor) -> int | None:
         return t.untyped_storage()._cdata
     except Exception:  # sparse / wrapper tensors have no plain storage
         return None
+
+
+def module_storages(model: torch.nn.Module) -> dict[int, str]:
+    """Storage identity -> the first name of a parameter or buffer on it, for a module."""
+    out: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        if t is not None:
+            out.setdefault(storage_key(t), name)
+    return out
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
@@ -546,6 +557,12 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             cache["pos", device] = _positions(record, device)
             cache["vals", device] = _torch_bits(record.values, plan.dtype).to(device)
         pos, vals = cache["pos", device], cache["vals", device]
+        if plan.identity and device.type == "cpu" and kernels.HAVE_NUMBA and bits.is_contiguous():
+            # sparse, compiled: one pass over the record on the unsigned view of the storage
+            flat = bits.view(-1).numpy().view(np.dtype(f"<u{bits.element_size()}"))
+            kernels.scatter_apply(flat, record.positions, np.asarray(record.values, dtype=flat.dtype),
+                                  {Op.XOR: 0, Op.ADD: 1, Op.OVERWRITE: 2}[op])
+            return
         if plan.identity:  # sparse: touch only the record's positions
             flat = bits.view(-1)
             if op is Op.XOR:
