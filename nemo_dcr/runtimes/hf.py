@@ -29,7 +29,7 @@ from nemo_dcr import dtypes
 from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes.base import Catalog
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, storage_key
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, module_storages, storage_key
 
 
 @dataclass(frozen=True)
@@ -162,13 +162,7 @@ class HFRuntime(NativeLoaderAdapter):
         return {n: views[n] for n in self._catalog if n in views}
 
     def _destinations(self) -> dict[int, str]:
-        out: dict[int, str] = {}
-        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
-            self.model.named_buffers(remove_duplicate=False)
-        ):
-            if t is not None:
-                out.setdefault(storage_key(t), name)
-        return out
+        return module_storages(self.model)
 
     def _canonical_tensor(self, name: str) -> torch.Tensor:
         t = self._live.get(name)

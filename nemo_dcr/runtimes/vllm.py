@@ -48,7 +48,7 @@ from nemo_dcr.records import Record
 from nemo_dcr.runtimes.base import Catalog, UndoLog
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, _Restore, _View, _written, storage_key
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, _Restore, _View, _written, module_storages, storage_key
 from nemo_dcr.verify import state_digests
 
 _log = logging.getLogger("nemo_dcr.vllm")
@@ -176,12 +176,7 @@ class VLLMRuntime(NativeLoaderAdapter):
         return dict(self._catalog)
 
     def _destinations(self) -> dict[int, str]:
-        out: dict[int, str] = {}
-        for name, t in list(self.model.named_parameters(remove_duplicate=False)) + list(
-            self.model.named_buffers(remove_duplicate=False)
-        ):
-            if t is not None:
-                out.setdefault(storage_key(t), name)
+        out = module_storages(self.model)
         prefix = {m: n for n, m in self.model.named_modules()}
         for layer, params in self._kept.items():
             for pname, p in params.items():
