@@ -23,6 +23,7 @@ from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.runtimes.hf import HFRuntime
+from tests.support.records import records_for as records_for_catalog
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,17 +49,7 @@ def assert_bits(rt: RuntimeAdapter, expected: dict[str, np.ndarray]) -> None:
 
 
 def records_for(rt: RuntimeAdapter, old, new, op: Op) -> list[Record]:
-    out = []
-    catalog = rt.catalog()
-    for name in sorted(old):
-        pos = np.flatnonzero(old[name] != new[name]).astype(np.uint64)
-        if pos.size == 0:
-            continue
-        o, n = old[name][pos], new[name][pos]
-        vals = {Op.XOR: o ^ n, Op.ADD: n - o, Op.OVERWRITE: n}[op]  # unsigned: add wraps
-        dtype, shape = catalog[name]
-        out.append(Record(name, dtype, shape, op, pos, vals.astype(o.dtype)))
-    return out
+    return records_for_catalog(rt.catalog(), old, new, op)
 
 
 def perturb(old: dict[str, np.ndarray], seed: int, frac=0.01, every=2) -> dict[str, np.ndarray]:

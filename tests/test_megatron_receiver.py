@@ -39,6 +39,7 @@ from nemo_dcr.layout import ParallelLayout
 from nemo_dcr.records import Op, Record
 from nemo_dcr.verify import bit_mismatches, state_digests
 from tests.support.launch import REPO, TORCHRUN_TIMEOUT_S, free_port, torchrun, worker_env
+from tests.support.records import records_for
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
@@ -113,19 +114,6 @@ def perturb(old: dict[str, np.ndarray], seed: int, frac=0.02) -> dict[str, np.nd
         sp = rng.choice(v.size, size=min(len(BF16_SPECIALS), v.size), replace=False)
         v[sp] = np.array(BF16_SPECIALS[: sp.size], dtype=np.uint16)
     return new
-
-
-def records_for(catalog, old, new, op: Op) -> list[Record]:
-    out = []
-    for name in sorted(old):
-        pos = np.flatnonzero(old[name] != new[name]).astype(np.uint64)
-        if pos.size == 0:
-            continue
-        o, n = old[name][pos], new[name][pos]
-        vals = {Op.XOR: o ^ n, Op.ADD: n - o, Op.OVERWRITE: n}[op]  # unsigned: add wraps
-        dtype, shape = catalog[name]
-        out.append(Record(name, dtype, shape, op, pos, vals.astype(o.dtype)))
-    return out
 
 
 def padding_rows(chunks) -> list[torch.Tensor]:
