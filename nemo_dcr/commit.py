@@ -92,15 +92,19 @@ class Coordinator:
         self.end, self.log, self.timeout_s, self.key = end, log, timeout_s, key
         self.version = self.log.latest()
         self.times: dict[str, float] = {}  # seconds of the last transfer's phases (for metrics)
+        self.finished_everywhere: list[str] = []
 
     def new_transfer(self, producers: list[str]) -> TransferInfo:
         tid = f"v{self.version}-v{self.version + 1}-{uuid.uuid4().hex[:8]}"
         return TransferInfo(tid, self.version, self.version + 1, tuple(producers))
 
     def begin(self, info: TransferInfo) -> list[str]:
-        """Announce the transfer; returns problems (empty when every receiver is ready)."""
+        """Announce the transfer (or its next attempt); returns problems (empty when
+        every receiver is ready). Afterwards `finished_everywhere` holds the payload ids
+        every receiver reported finished in earlier attempts (they need not travel again)."""
         t = time.perf_counter()
         self.times = {}
+        self.finished_everywhere: list[str] = []
         try:
             self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
             replies, problems = self._collect("ready", info.transfer_id)
@@ -108,7 +112,11 @@ class Coordinator:
             return [str(e)]
         finally:
             self.times["prepare"] = time.perf_counter() - t
-        return problems + [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+        problems += [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+        if not problems and replies:
+            done = [set(m.get("finished") or ()) for m in replies.values()]
+            self.finished_everywhere = sorted(set.intersection(*done))
+        return problems
 
     def _broadcast(self, kind: str, meta: dict) -> None:
         self.end.broadcast(kind, sign(self.key, kind, meta))
@@ -128,11 +136,13 @@ class Coordinator:
         return good, problems
 
     def finish(self, info: TransferInfo, producer_problems: list[str],
-               payload_ids: list[str] | None = None) -> Decision:
-        """Wait for every receiver's apply, then commit jointly or abort everywhere.
+               payload_ids: list[str] | None = None, *, final: bool = True) -> Decision:
+        """Wait for every receiver's apply, then commit jointly, or fail: abort everywhere
+        when `final`, else leave receivers as they are for the next attempt (`info.retry()`).
 
-        `payload_ids`: every payload the producers sent; each receiver must report having
-        applied exactly these (end to end, whatever the manifests said on the way)."""
+        `payload_ids`: every payload of the transfer (over all its attempts); each receiver
+        must report having finished exactly these (end to end, whatever the manifests said
+        on the way)."""
         reasons = list(producer_problems)
         replies: dict[str, dict] = {}
         t = time.perf_counter()
@@ -154,7 +164,8 @@ class Coordinator:
             except AlreadyCommitted:
                 reasons.append(f"version {info.target_version} was already committed by another coordinator")
         if reasons:
-            self.abort(info, "; ".join(reasons))
+            if final:
+                self.abort(info, "; ".join(reasons))
             return Decision(info.transfer_id, False, self.version, reasons, replies)
         self.version = info.target_version
         self._broadcast("commit", {"transfer_id": info.transfer_id, "version": self.version})

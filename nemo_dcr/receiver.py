@@ -3,9 +3,18 @@
 Every payload of a transfer is decoded and validated (checksum, HMAC, versions,
 names, shapes, positions) as it arrives and staged in memory; nothing is written
 until every producer's manifest is in and every listed payload is staged. Only
-then does the runtime adapter apply the records in place (the pause). The
-receiver keeps the undo log until the coordinator's commit, so an abort puts the
-bits back at the base version. Payloads are deduplicated by identity.
+then does the runtime adapter apply the records in place (the pause), one payload
+per `apply` call, under an apply journal: a payload is "started" before its call and
+"finished" (with its undo log) after it.
+
+A transfer v -> v+1 may take several attempts (`TransferInfo.attempt`, one lineage).
+The journal outlives a failed attempt: on a retry the receiver reports what it finished
+and what is uncertain (started, not finished), drops re-sent payloads it finished (by
+identity), and accepts only overwrites for uncertain ones, so no delta is ever applied
+twice and the bits converge to v+1. A transfer given up on (abort, or a new lineage)
+is undone from the undo logs, newest first; if a payload was uncertain the bits cannot
+be known, so the receiver refuses further transfers until it is caught up from an
+anchor (`nemo_dcr.catchup`). Payloads are deduplicated by identity.
 """
 
 from __future__ import annotations
@@ -17,24 +26,42 @@ from dataclasses import dataclass, field
 from nemo_dcr import codec
 from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import check, sign
-from nemo_dcr.errors import DCRError, PayloadRejected
-from nemo_dcr.records import Payload
-from nemo_dcr.runtimes.base import RuntimeAdapter
+from nemo_dcr.errors import PayloadRejected
+from nemo_dcr.records import Op, Payload
+from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.transport import ReceiverEnd, TransferInfo
 from nemo_dcr.verify import state_digests
 
 
 @dataclass
+class _Lineage:
+    """One v -> v+1 transfer across its attempts, and its apply journal."""
+
+    id: str
+    base: int
+    target: int
+    started: set[str] = field(default_factory=set)  # payload ids whose apply began
+    finished: dict[str, UndoLog] = field(default_factory=dict)  # ... and completed (in order), with undo logs
+    complete: bool = False  # every listed payload finished and 'applied' was answered without error
+
+    @property
+    def uncertain(self) -> list[str]:
+        return sorted(self.started - set(self.finished))
+
+
+@dataclass
 class _Transfer:
+    """One attempt of a lineage."""
+
     info: TransferInfo
     staged: dict[str, Payload] = field(default_factory=dict)
     staged_bytes: int = 0
     manifests: dict[str, list[str]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-    undo: object = None
+    dropped: int = 0  # re-sent payloads already finished (dropped by identity)
     applied: bool = False
     replied: bool = False
-    applied_payloads: str | None = None  # digest of the payload ids applied (see payload_set_digest)
+    applied_payloads: str | None = None  # digest of the lineage's finished payload ids (see payload_set_digest)
     started: float = field(default_factory=time.perf_counter)
     stage_s: float = 0.0
     apply_s: float = 0.0
@@ -64,6 +91,8 @@ class Receiver:
         self.held = runtime.catalog()
         self.catalog = self.held if canonical_catalog is None else _superset(canonical_catalog, self.held)
         self.current: _Transfer | None = None
+        self.lineage: _Lineage | None = None
+        self.uncertain_state: str | None = None  # why the bits are unknown (refuses transfers until caught up)
         self.log = log or (lambda msg: None)
 
     # --- event loop -----------------------------------------------------------------
@@ -106,18 +135,32 @@ class Receiver:
     # --- handlers -------------------------------------------------------------------
 
     def _on_begin(self, info: TransferInfo) -> None:
-        if self.current is not None and self.current.applied and self.current.undo is not None:
-            # A new transfer while one is applied but neither committed nor aborted:
-            # the coordinator gave up on it, so put the bits back first.
-            self.runtime.revert(self.current.undo)
         self.current = None
-        if info.base_version != self.serving_version:
-            self._reply("ready", {"transfer_id": info.transfer_id,
-                                  "error": f"receiver {self.id} serves version {self.serving_version}, "
-                                           f"transfer starts from {info.base_version}"})
+        lin = self.lineage
+        if lin is not None and lin.complete and info.base_version == lin.target:
+            # A coordinator starts from v+1 only once v+1 is committed: this receiver
+            # applied all of it and missed the commit message.
+            self._committed(lin)
+            lin = None
+        elif lin is not None and (lin.id, lin.base, lin.target) != (info.lineage_id, info.base_version,
+                                                                     info.target_version):
+            self._unwind(f"superseded by transfer {info.transfer_id}")
+            lin = None
+        error = None
+        if self.uncertain_state:
+            error = f"receiver {self.id} cannot take transfers: {self.uncertain_state}"
+        elif lin is None and info.base_version != self.serving_version:
+            error = (f"receiver {self.id} serves version {self.serving_version}, "
+                     f"transfer starts from {info.base_version}")
+        if error:
+            self._reply("ready", {"transfer_id": info.transfer_id, "error": error})
             return
+        if lin is None:
+            lin = self.lineage = _Lineage(info.lineage_id, info.base_version, info.target_version)
+        lin.complete = False
         self.current = _Transfer(info)
-        self._reply("ready", {"transfer_id": info.transfer_id, "error": None})
+        self._reply("ready", {"transfer_id": info.transfer_id, "error": None,
+                              "finished": sorted(lin.finished), "uncertain": lin.uncertain})
 
     def _reply(self, kind: str, meta: dict) -> None:
         self.end.reply(kind, sign(self.key, kind, {**meta, "receiver": self.id}))
@@ -125,12 +168,13 @@ class Receiver:
     def _on_payload(self, event) -> None:
         meta = event.meta
         tid, pid, producer = meta.get("transfer_id"), meta.get("payload_id"), meta.get("producer_id")
-        cur = self.current
+        cur, lin = self.current, self.lineage
         if cur is None or cur.info.transfer_id != tid:
             self.end.staged(tid, producer, pid, f"receiver {self.id} has no open transfer {tid}")
             return
-        if pid in cur.staged:
-            self.end.staged(tid, producer, pid, None)  # duplicate delivery: already staged
+        if pid in cur.staged or pid in lin.finished:
+            cur.dropped += pid in lin.finished
+            self.end.staged(tid, producer, pid, None)  # duplicate, or finished in an earlier attempt
             return
         t = time.perf_counter()
         error = meta.get("error")
@@ -153,6 +197,9 @@ class Receiver:
                                                f"of producer {payload.header.producer_id}")
                 if producer not in info.producers:
                     raise PayloadRejected(pid, f"producer {producer} is not part of transfer {tid}")
+                if pid in lin.started and any(Op(r.op) is not Op.OVERWRITE for r in payload.records):
+                    raise PayloadRejected(pid, "it was half-applied by an earlier attempt: only overwrites "
+                                               "can repair it, a delta would be applied twice")
                 cur.staged[pid] = payload
                 cur.staged_bytes += len(event.data)
             except PayloadRejected as e:
@@ -173,35 +220,43 @@ class Receiver:
         self._maybe_apply()
 
     def _maybe_apply(self) -> None:
-        cur = self.current
+        cur, lin = self.current, self.lineage
         if cur is None or cur.replied or set(cur.manifests) != set(cur.info.producers):
             return
         listed = {pid for ids in cur.manifests.values() for pid in ids}
         if cur.errors:
             return self._reply_applied(cur, "; ".join(cur.errors[:3]))
-        if not listed <= set(cur.staged):
+        todo = sorted(listed - set(lin.finished))
+        if not set(todo) <= set(cur.staged):
             return  # some listed payloads have not arrived yet
         unlisted = set(cur.staged) - listed
         if unlisted:
             return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
-        records = [rec for pid in sorted(cur.staged) for rec in cur.staged[pid].records if rec.name in self.held]
-        cur.applied_payloads = payload_set_digest(cur.staged)
         t = time.perf_counter()
         try:
-            cur.undo = self.runtime.apply(records)
-            cur.applied = True
-        except DCRError as e:
-            return self._reply_applied(cur, f"apply failed: {e}")
+            for pid in todo:  # journal: started -> apply (all or nothing per call) -> finished
+                records = [rec for rec in cur.staged[pid].records if rec.name in self.held]
+                lin.started.add(pid)
+                try:
+                    undo = self.runtime.apply(records)
+                except Exception as e:  # noqa: BLE001 - any failure leaves this payload uncertain
+                    return self._reply_applied(cur, f"apply of payload {pid} failed: {type(e).__name__}: {e}")
+                lin.finished[pid] = undo
+                del cur.staged[pid]  # the undo log keeps what revert needs
         finally:
             cur.apply_s = time.perf_counter() - t
-        cur.staged.clear()  # staged records are no longer needed; undo keeps what revert needs
+        cur.applied = True
+        cur.applied_payloads = payload_set_digest(lin.finished)
+        cur.staged.clear()
         self._reply_applied(cur, None)
+        lin.complete = True
 
     def _reply_applied(self, cur: _Transfer, error: str | None) -> None:
         cur.replied = True
         self._reply("applied", {
             "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
             "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started, "payloads": cur.applied_payloads,
+            "dropped": cur.dropped,
         })
 
     def _on_commit(self, meta: dict) -> None:
@@ -209,17 +264,35 @@ class Receiver:
         if cur is None or cur.info.transfer_id != meta.get("transfer_id") or not cur.applied:
             self.log(f"[{self.id}] ignoring commit of {meta.get('transfer_id')}: not applied here")
             return
-        self.serving_version = cur.info.target_version
-        self.current = None
+        self._committed(self.lineage)
+
+    def _committed(self, lin: _Lineage) -> None:
+        self.serving_version = lin.target
+        self.lineage = self.current = None
 
     def _on_abort(self, meta: dict) -> None:
         cur = self.current
         if cur is None or cur.info.transfer_id != meta.get("transfer_id"):
             return
-        if cur.applied:
-            self.runtime.revert(cur.undo)
         self.log(f"[{self.id}] transfer {cur.info.transfer_id} aborted: {meta.get('reason')}")
-        self.current = None
+        self._unwind(f"aborted: {meta.get('reason')}")
+
+    def _unwind(self, why: str) -> None:
+        """Undo the open lineage (newest payload first) and forget it; back at its base."""
+        lin, self.current = self.lineage, None
+        if lin is None:
+            return
+        try:
+            for pid in reversed(list(lin.finished)):
+                self.runtime.revert(lin.finished[pid])
+        except Exception as e:  # noqa: BLE001 - the bits are unknown now, whatever raised
+            self.uncertain_state = f"reverting transfer {lin.id} failed ({type(e).__name__}: {e})"
+        self.lineage = None
+        if lin.uncertain and not self.uncertain_state:
+            self.uncertain_state = (f"payloads {lin.uncertain[:3]} of transfer {lin.id} were being applied when it "
+                                    f"was given up ({why}); their bits are unknown: catch up from an anchor")
+        if self.uncertain_state:
+            self.log(f"[{self.id}] {self.uncertain_state}")
 
     def _on_verify(self, meta: dict) -> None:
         reply = {"transfer_id": meta.get("transfer_id", ""), "version": self.serving_version,

@@ -41,7 +41,8 @@ class ProducerReport:
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("residual", "diff", "place", "encode", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
-    payload_ids: list[str] = field(default_factory=list)  # what the manifest lists
+    payload_ids: list[str] = field(default_factory=list)  # what the manifest lists (sent this attempt)
+    all_payload_ids: list[str] = field(default_factory=list)  # ... and those skipped as finished everywhere
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -60,6 +61,9 @@ class _PayloadBuilder:
         self.parts.setdefault((name, op), []).append((positions, values))
         self.elements += positions.size
 
+    def clear(self) -> None:
+        self.parts, self.elements = {}, 0
+
     def take(self, specs: dict) -> list[Record]:
         records = []
         for (name, op), parts in self.parts.items():
@@ -76,7 +80,7 @@ class _PayloadBuilder:
                 pos, val = pos[order], val[order]
             dtype, shape = specs[name]
             records.append(Record(name, dtype, tuple(shape), op, pos.astype(np.uint64, copy=False), val))
-        self.parts, self.elements = {}, 0
+        self.clear()
         return records
 
 
@@ -142,17 +146,30 @@ class Producer:
             bits.append(dtypes.bits_of(t.contiguous()))
         return bits
 
-    def refit(self, transfer: TransferInfo) -> ProducerReport:
+    def refit(self, transfer: TransferInfo, *, skip=frozenset()) -> ProducerReport:
+        """Diff, place, encode and send one attempt of `transfer`.
+
+        Payload ids are `<producer>-<n>`, numbered in scan order, and the scan is
+        deterministic, so every attempt of a transfer cuts the same payloads. A retry
+        (attempt > 0) sends them all as overwrites (new bits: a receiver may hold them
+        half-applied, and a second delta would be wrong), except those in `skip`
+        (finished on every receiver), which are cut but not sent."""
         rep = ProducerReport(self.id)
         t0 = time.perf_counter()
         self.baseline.begin(transfer.target_version)
-        builder, payload_ids = _PayloadBuilder(), []
+        builder, payload_ids, all_ids = _PayloadBuilder(), [], []
+        op_affine = Op.OVERWRITE if transfer.attempt > 0 else self.op
 
         def emit():
+            pid = f"{self.id}-{len(all_ids):06d}"
+            all_ids.append(pid)
+            if pid in skip:
+                builder.clear()
+                return
             records = builder.take(self.specs)
             t = time.perf_counter()
             header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
-                                   self.id, f"{self.id}-{len(payload_ids):06d}")
+                                   self.id, pid)
             data = codec.encode(Payload(header, records), key=self.key, level=self.level)
             rep.times["encode"] += time.perf_counter() - t
             t = time.perf_counter()
@@ -200,7 +217,7 @@ class Producer:
             return changed
 
         for r in self.affine:
-            scan(r.key, dtypes.bits_of(r.tensor), self.maps[r.param.name], r.start, self.op)
+            scan(r.key, dtypes.bits_of(r.tensor), self.maps[r.param.name], r.start, op_affine)
         for rmap, whole in self.residuals:
             t = time.perf_counter()
             outputs = self._residual_outputs(rmap, whole)
@@ -208,13 +225,14 @@ class Producer:
             for i, current in enumerate(outputs):
                 if rmap.outputs[i].pieces:  # residual changes always travel as overwrites
                     rep.residual_elements += scan(rmap.key(i), current, rmap.outputs[i], 0, Op.OVERWRITE)
-        if builder.elements or not payload_ids:
+        if builder.elements or not all_ids:
             emit()  # an empty transfer still sends one (empty) payload: receivers see the producer
         t = time.perf_counter()
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
         rep.payloads = len(payload_ids)
         rep.payload_ids = list(payload_ids)
+        rep.all_payload_ids = all_ids
         return rep
 
 

@@ -36,6 +36,7 @@ class RefitResult:
     dense_bytes: int = 0
     coordinator_times: dict = field(default_factory=dict)  # prepare / wait_applied / commit (rank 0)
     failed_before: int = 0  # transfers that failed since the previous commit (this one recovered them)
+    attempts: int = 1  # attempts this transfer took (the ones after the first were in-place retries)
 
     @property
     def scanned_elements(self) -> int:
@@ -83,10 +84,13 @@ class RefitResult:
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
             "pause_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
             "receivers": len(self.decision.receivers),
-            # A failed transfer is aborted everywhere and the next one is taken against the
-            # committed version again: these count those retries and the commit that ends them.
-            "retries": self.failed_before,
-            "recovered": self.failed_before > 0,
+            # In-place retries of this transfer (overwrites of what was uncertain), and
+            # transfers given up since the previous commit (aborted everywhere, the next
+            # one taken against the committed version again).
+            "retries": self.attempts - 1,
+            "failed_transfers_before": self.failed_before,
+            "recovered": self.attempts > 1 or self.failed_before > 0,
+            "receiver_dropped_payloads": sum(r.get("dropped", 0) for r in applied),
             **{f"coordinator_{k}_s": v for k, v in sorted(self.coordinator_times.items())},
         }
 
@@ -102,6 +106,10 @@ class TrainerRefit:
     `baseline_dir` (one subdirectory per rank, memory-mapped, journaled) they come back
     from disk; otherwise set-up refuses, unless `assume_committed=True` declares that the
     model holds exactly version v's weights (e.g. it was saved when v committed).
+
+    `max_attempts`: tries of one transfer before it is aborted (the retries are in place:
+    what receivers finished stays, the rest is re-sent as overwrites). `log`: a callable
+    taking one line, told about each failed attempt.
     """
 
     def __init__(
@@ -120,7 +128,13 @@ class TrainerRefit:
         timeout_s: float = 300.0,
         params: dict[str, torch.Tensor] | None = None,
         assume_committed: bool = False,
+        max_attempts: int = 3,
+        log=None,
     ):
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.max_attempts = max_attempts
+        self.log = log or (lambda msg: None)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.failed_since_commit = 0
         self.specs = specs
@@ -185,24 +199,52 @@ class TrainerRefit:
             raise ConverterError(problem)
 
     def refit(self) -> RefitResult:
-        """Send the changes since the committed version; commit jointly or abort.
+        """Send the changes since the committed version; commit jointly or fail.
+
+        A failed attempt (a payload lost, corrupted or rejected, an apply that failed, a
+        receiver or producer that timed out) is retried in place up to `max_attempts` in
+        all: receivers keep what they finished, and the retry re-sends the rest as
+        overwrites. After the last attempt the transfer is aborted everywhere.
 
         Returns the result on every rank (producer reports are filled on rank 0).
         Raises TransferFailed (on every rank) when the transfer did not commit.
         """
         t0 = time.perf_counter()
-        info, problems = None, []
-        if self.rank == 0:
-            info = self.coordinator.new_transfer(self.producer_ids)
-            problems = self.coordinator.begin(info)
-        go = bcast_json({"transfer": info.to_json() if info else None, "problems": problems})
-        info = TransferInfo.from_json(go["transfer"])
-        if go["problems"]:
-            self._decide(info, Decision(info.transfer_id, False, self.baseline.version, go["problems"]))
+        info = self.coordinator.new_transfer(self.producer_ids) if self.rank == 0 else None
+        times: dict[str, float] = {}
+        reports: list[dict] = []
+        for attempt in range(self.max_attempts):
+            final = attempt == self.max_attempts - 1
+            problems, skip = [], []
+            if self.rank == 0:
+                problems = self.coordinator.begin(info)
+                skip = self.coordinator.finished_everywhere
+            go = bcast_json({"transfer": info.to_json() if info else None, "problems": problems, "skip": skip})
+            info = TransferInfo.from_json(go["transfer"])
+            if go["problems"]:
+                decision = Decision(info.transfer_id, False, self.baseline.version, go["problems"])
+                if self.rank == 0 and final:
+                    self.coordinator.abort(info, "; ".join(go["problems"]))
+            else:
+                decision, reports = self._attempt(info, set(go["skip"]), final)
+            times = {k: times.get(k, 0.0) + v for k, v in (self.coordinator.times if self.coordinator else {}).items()}
+            if decision.committed or final:
+                break
+            self.log(f"refit: attempt {attempt + 1} of transfer {info.lineage_id} failed, retrying with overwrites: "
+                     + "; ".join(decision.reasons)[:500])
+            if self.rank == 0:
+                info = info.retry()
+        decision = self._decide(info, decision)
+        failed, self.failed_since_commit = self.failed_since_commit, 0
+        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times, failed,
+                           attempts=info.attempt + 1)
+
+    def _attempt(self, info: TransferInfo, skip: set[str], final: bool) -> tuple[Decision, list[dict]]:
+        """One attempt: every rank produces; rank 0 decides (commit, or fail)."""
         try:
-            report = self.producer.refit(info)
+            report = self.producer.refit(info, skip=skip)
             self.baseline.persist_pending()  # durable before rank 0 can write the commit record
-        except Exception as e:  # noqa: BLE001 - any producer failure aborts the whole transfer
+        except Exception as e:  # noqa: BLE001 - any producer failure fails the whole attempt
             report = ProducerReport(self.producer.id, error=f"{type(e).__name__}: {e}")
         reports = gather_json(report.to_json())
         decision = None
@@ -210,22 +252,18 @@ class TrainerRefit:
             bad = [f"producer {r['producer_id']}: {r['error']}" for r in reports if r["error"]]
             bad += [f"{rx} rejected {pid}: {why}" for r in reports for rx, d in r["rejected"].items()
                     for pid, why in d.items()]
-            sent = [pid for r in reports for pid in r.get("payload_ids", [])]
-            decision = self.coordinator.finish(info, bad, payload_ids=sent)
-        decision = self._decide(info, decision)
-        times = dict(self.coordinator.times) if self.coordinator else {}
-        failed, self.failed_since_commit = self.failed_since_commit, 0
-        return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times, failed)
+            every = [pid for r in reports for pid in r.get("all_payload_ids", [])]
+            decision = self.coordinator.finish(info, bad, payload_ids=every, final=final)
+        return Decision(**bcast_json(decision.to_json() if decision else None)), reports or []
 
-    def _decide(self, info: TransferInfo, decision: Decision | None) -> Decision:
-        d = bcast_json(decision.to_json() if decision else None)
-        decision = Decision(**d)
+    def _decide(self, info: TransferInfo, decision: Decision) -> Decision:
         if decision.committed:
             self.baseline.commit()
         else:
             self.baseline.abort()
             self.failed_since_commit += 1
-            raise TransferFailed(f"transfer {info.transfer_id} did not commit: " + "; ".join(decision.reasons))
+            raise TransferFailed(f"transfer {info.lineage_id} did not commit after {info.attempt + 1} attempt(s): "
+                                 + "; ".join(decision.reasons))
         return decision
 
     def verify(self, expected_digests: dict[str, str] | None) -> dict[str, list[str]]:

@@ -26,6 +26,21 @@ class TransferInfo:
     base_version: int
     target_version: int
     producers: tuple[str, ...]
+    # In-place retries: attempt n > 0 re-sends, as overwrites, what attempt 0 (whose id is
+    # `lineage`) may have left half-applied; receivers keep their apply journal across them.
+    attempt: int = 0
+    lineage: str = ""  # "" on the first attempt: its own transfer id
+
+    @property
+    def lineage_id(self) -> str:
+        return self.lineage or self.transfer_id
+
+    def retry(self) -> "TransferInfo":
+        """The next attempt of the same v -> v+1 transfer (a fresh id, so no payload of an
+        earlier attempt is ever taken for one of this one)."""
+        n = self.attempt + 1
+        return TransferInfo(f"{self.lineage_id}-r{n}", self.base_version, self.target_version, self.producers,
+                            n, self.lineage_id)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -33,7 +48,7 @@ class TransferInfo:
     @classmethod
     def from_json(cls, d: dict) -> "TransferInfo":
         return cls(str(d["transfer_id"]), int(d["base_version"]), int(d["target_version"]),
-                   tuple(str(p) for p in d["producers"]))
+                   tuple(str(p) for p in d["producers"]), int(d.get("attempt", 0)), str(d.get("lineage", "")))
 
 
 @dataclass

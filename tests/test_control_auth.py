@@ -12,6 +12,7 @@ import pytest
 from nemo_dcr.commit import Coordinator, DirectoryCommitLog
 from nemo_dcr.control_auth import check, sign
 from nemo_dcr.errors import TransferFailed
+from tests.support.wait import serving
 from tests.test_local_refit import Setup, checkpoint  # noqa: F401 - the module-scoped checkpoint fixture
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
@@ -49,7 +50,7 @@ def test_forged_control_messages_change_nothing(checkpoint, tmp_path):  # noqa: 
         s.step()
         result = s.refit.refit()
         assert result.decision.committed and result.decision.version == 2
-        assert all(r.serving_version == 2 for r in s.receivers)
+        serving(s.receivers, 2)
     finally:
         s.close()
 

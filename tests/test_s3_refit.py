@@ -5,13 +5,13 @@ payload, manifest, ack, control message and commit record going through the buck
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
 from nemo_dcr import registry
 from nemo_dcr.records import Op
 from nemo_dcr.verify import bit_mismatches
+from tests.support.wait import serving
 from tests.support.s3_server import moto_server
 
 # The local refit test's model, process group and trainer/receiver harness; only the
@@ -45,12 +45,8 @@ def test_refits_over_s3_are_bit_exact_and_commit_jointly(checkpoint, tmp_path, s
             assert s.refit.baseline.version == version
             assert 0 < result.changed_elements < result.scanned_elements
             assert result.metrics()["payloads"] > 1  # streamed in several payloads
-            # Receivers learn of the commit at their next poll of the bucket, not at once.
-            deadline = time.monotonic() + 10
-            while any(r.serving_version != version for r in s.receivers) and time.monotonic() < deadline:
-                time.sleep(0.01)
+            serving(s.receivers, version)  # receivers learn of the commit at their next poll of the bucket
             for r in s.receivers:
-                assert r.serving_version == version
                 assert bit_mismatches(s.expected(), r.runtime.canonical_state()) == []
             # Between refits the bucket holds the commit records and the receivers' presence
             # (and control messages not yet read); payloads, acks, manifests and replies are gone.
