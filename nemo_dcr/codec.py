@@ -177,6 +177,9 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
     h = payload.header
     _check_identity(h, ValueError)
+    if h.target_version == h.base_version and any(Op(r.op) is not Op.OVERWRITE for r in payload.records):
+        raise ValueError(f"header: base_version == target_version {h.base_version} (an anchor) but a record "
+                         "is not an overwrite")
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
     sections: list[bytes] = []
     metas: list[dict[str, Any]] = []
@@ -605,8 +608,8 @@ def _check_identity(h: PayloadHeader, exc: type[Exception]) -> None:
         v = getattr(h, f)
         if type(v) is not int or v < 0:
             raise exc(f"header {f}: expected a non-negative integer, got {v!r}")
-    if h.target_version <= h.base_version:
-        raise exc(f"header: target_version {h.target_version} must be > base_version {h.base_version}")
+    if h.target_version < h.base_version:
+        raise exc(f"header: target_version {h.target_version} must be >= base_version {h.base_version}")
 
 
 def _parse_header(hbytes: bytes, body_len: int, limits: DecodeLimits
@@ -649,6 +652,10 @@ def _parse_header(hbytes: bytes, body_len: int, limits: DecodeLimits
         raise _Bad(f"declared raw_bytes {declared_raw} != sum of section raw lengths {raw_sum}")
     if decoded > limits.max_total_raw_bytes:
         raise _Bad(f"decoded size {decoded} exceeds limit max_total_raw_bytes={limits.max_total_raw_bytes}")
+    if header.target_version == header.base_version and any(m.op is not Op.OVERWRITE for m in metas):
+        # A payload that keeps its version is an anchor (nemo_dcr.history): it states bits, never changes them.
+        raise _Bad(f"header: base_version == target_version {header.base_version} (an anchor) "
+                   "but a record is not an overwrite")
     return header, metas
 
 

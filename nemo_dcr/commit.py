@@ -5,9 +5,9 @@ rejected and every receiver has applied the whole transfer. The commit point is 
 record for v+1 created with compare-and-set semantics (by default a file
 `commits/v<target>.json` created with O_EXCL in the coordinator's state directory),
 so two coordinators can never both commit the same version. After it exists,
-receivers serve v+1 and producers take v+1 as their baseline; before it, both stay at v. Transports whose peers share no file system
-keep the records elsewhere (`Transport.commit_log`), e.g. as conditional writes in
-object storage.
+receivers serve v+1 and producers take v+1 as their baseline; before it, both stay
+at v. Transports whose peers share no file system keep the records elsewhere
+(`Transport.commit_log`), e.g. as conditional writes in object storage.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ REQUIRED = {
     "ready": {"transfer_id", "receiver", "error"},
     "applied": {"transfer_id", "receiver", "error"},
     "verified": {"transfer_id", "receiver", "version", "digests"},
+    # history manifests (nemo_dcr.history): which payloads make up a delta or an anchor
+    "deltas": {"version", "payloads"},
+    "anchors": {"version", "payloads"},
 }
 
 

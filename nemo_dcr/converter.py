@@ -442,7 +442,8 @@ class TableConverter(Converter):
         self._rules = [(r, r.compile()) for r in self.rules()]
         for r, _ in self._rules:
             if len(r.targets) != r.mapping.n_targets:
-                raise ConverterError(f"rule {r.pattern!r}: {type(r.mapping).__name__} takes {r.mapping.n_targets} targets")
+                raise ConverterError(
+                    f"rule {r.pattern!r}: {type(r.mapping).__name__} takes {r.mapping.n_targets} targets")
 
     @abstractmethod
     def rules(self) -> list[Rule]:
@@ -463,7 +464,8 @@ class TableConverter(Converter):
         if not hits:
             raise ConverterError(f"Megatron parameter {name!r} is not mapped by the {self.family} converter")
         if len(hits) > 1:
-            raise ConverterError(f"Megatron parameter {name!r} matches {len(hits)} rules: {[r.pattern for r, _ in hits]}")
+            raise ConverterError(
+                f"Megatron parameter {name!r} matches {len(hits)} rules: {[r.pattern for r, _ in hits]}")
         rule, m = hits[0]
         fill = {k: v for k, v in m.groupdict().items() if v is not None}
         if "E" in fill:

@@ -248,7 +248,8 @@ class FP8Block(Residual):
         outs = []
         for w, s, g in zip(ctx.targets[:n], ctx.targets[n:], self._regions(ctx, loading)):
             if g is None:
-                outs += [(w, AffineMap(f"{ctx.param.name} -> {w}", 0, ())), (s, AffineMap(f"{ctx.param.name} -> {s}", 0, ()))]
+                outs += [(w, AffineMap(f"{ctx.param.name} -> {w}", 0, ())),
+                         (s, AffineMap(f"{ctx.param.name} -> {s}", 0, ()))]
                 continue
             sr0, sc0 = g.r0 // bm, g.c0 // bn
             srows, scols = -(-g.r1 // bm) - sr0, -(-g.c1 // bn) - sc0

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from nemo_dcr import codec
 from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import check, sign
-from nemo_dcr.errors import PayloadRejected
+from nemo_dcr.catchup import catch_up
+from nemo_dcr.errors import DCRError, PayloadRejected
+from nemo_dcr.history import open_history
 from nemo_dcr.records import Op, Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.transport import ReceiverEnd, TransferInfo
@@ -80,7 +82,11 @@ class Receiver:
         max_staged_bytes: int = 8 << 30,
         log=None,
         canonical_catalog: dict | None = None,
+        history=None,
     ):
+        """`history` (a `nemo_dcr.history.History` or a directory): where to catch up from
+        when a transfer starts from a version this receiver does not serve, or when its
+        bits are uncertain; without one such a transfer is refused, naming the reason."""
         self.id, self.runtime, self.end = receiver_id, runtime, end
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
@@ -94,6 +100,14 @@ class Receiver:
         self.lineage: _Lineage | None = None
         self.uncertain_state: str | None = None  # why the bits are unknown (refuses transfers until caught up)
         self.log = log or (lambda msg: None)
+        self.history = open_history(history)
+
+    def catch_up(self, target: int | None = None):
+        """Take this receiver to `target` (default: the newest version in its history);
+        call it before `serve_forever` or from the receiver's own thread."""
+        if self.history is None:
+            raise ValueError(f"receiver {self.id} has no history to catch up from")
+        return catch_up(self, self.history, target=target)
 
     # --- event loop -----------------------------------------------------------------
 
@@ -147,7 +161,16 @@ class Receiver:
             self._unwind(f"superseded by transfer {info.transfer_id}")
             lin = None
         error = None
-        if self.uncertain_state:
+        if lin is None and self.history is not None and (
+                self.uncertain_state or info.base_version > self.serving_version):
+            try:
+                self.catch_up(info.base_version)
+            except (DCRError, OSError) as e:
+                self.log(f"[{self.id}] catch-up to version {info.base_version} failed: {e}")
+                error = f"receiver {self.id} could not catch up to version {info.base_version}: {e}"
+        if error:
+            pass
+        elif self.uncertain_state:
             error = f"receiver {self.id} cannot take transfers: {self.uncertain_state}"
         elif lin is None and info.base_version != self.serving_version:
             error = (f"receiver {self.id} serves version {self.serving_version}, "

@@ -113,6 +113,10 @@ class Producer:
         self.op = AUTO if op == AUTO else Op(op)
         self.max_payload_elements, self.chunk = max_payload_elements, chunk_elements
         self.key, self.level = key, zstd_level
+        # With a history, the encoded payloads of the transfer in flight, by id (the attempt
+        # that last sent each): after the commit they are stored as that version's delta.
+        self.keep_sent = False
+        self.sent: dict[str, tuple[str, bytes]] = {}
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
         self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
         self.affine = [r for r in self.owned if not isinstance(maps[r.param.name], ResidualMap)]
@@ -159,6 +163,8 @@ class Producer:
         self.baseline.begin(transfer.target_version)
         builder, payload_ids, all_ids = _PayloadBuilder(), [], []
         op_affine = Op.OVERWRITE if transfer.attempt > 0 else self.op
+        if transfer.attempt == 0:
+            self.sent = {}
 
         def emit():
             pid = f"{self.id}-{len(all_ids):06d}"
@@ -177,6 +183,8 @@ class Producer:
                 rep.first_send_s = t - t0
             self.end.send(transfer, header.payload_id, data)
             rep.times["send"] += time.perf_counter() - t
+            if self.keep_sent:
+                self.sent[pid] = (transfer.transfer_id, data)
             payload_ids.append(header.payload_id)
             rep.wire_bytes += len(data)
 
@@ -234,6 +242,41 @@ class Producer:
         rep.payload_ids = list(payload_ids)
         rep.all_payload_ids = all_ids
         return rep
+
+    def anchor(self, version: int, put) -> dict[str, str]:
+        """Every canonical element this producer places, at the committed `version`, as
+        overwrite payloads; `put(payload_id, data)` stores each. Returns {payload id:
+        transfer id} (the transfer id is `anchor-v<version>`)."""
+        if self.baseline.version != version or self.baseline.in_flight:
+            raise ValueError(f"anchor of version {version}: the baseline is at {self.baseline.version}"
+                             f"{' with a transfer in flight' if self.baseline.in_flight else ''}")
+        tid, builder, ids = f"anchor-v{version}", _PayloadBuilder(), {}
+
+        def emit():
+            pid = f"{self.id}-{len(ids):06d}"
+            header = PayloadHeader(tid, version, version, self.id, pid)
+            put(pid, codec.encode(Payload(header, builder.take(self.specs)), key=self.key, level=self.level))
+            ids[pid] = tid
+
+        def place_all(key: str, amap: AffineMap, offset: int) -> None:
+            bits = self.baseline.committed(key)
+            for lo in range(0, bits.numel(), self.chunk):
+                hi = min(lo + self.chunk, bits.numel())
+                values = _unsigned(bits[lo:hi])
+                for name, cpos, src in _placed(amap, np.arange(offset + lo, offset + hi, dtype=np.int64)):
+                    builder.add(name, Op.OVERWRITE, cpos, values[src])
+                if builder.elements >= self.max_payload_elements:
+                    emit()
+
+        for r in self.affine:
+            place_all(r.key, self.maps[r.param.name], r.start)
+        for rmap, _ in self.residuals:
+            for i, out in enumerate(rmap.outputs):
+                if out.pieces:
+                    place_all(rmap.key(i), out, 0)
+        if builder.elements or not ids:
+            emit()
+        return ids
 
 
 def _placed(amap: AffineMap, local: np.ndarray):

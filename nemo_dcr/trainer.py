@@ -21,6 +21,7 @@ from nemo_dcr.baseline import Baseline, fingerprint
 from nemo_dcr.commit import Coordinator, Decision
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.errors import ConverterError, TransferFailed
+from nemo_dcr.history import ANCHORS, DELTAS, open_history
 from nemo_dcr.layout import OwnedRange, ParallelLayout
 from nemo_dcr.records import Op
 from nemo_dcr.sender import Producer, ProducerReport
@@ -110,6 +111,12 @@ class TrainerRefit:
     `max_attempts`: tries of one transfer before it is aborted (the retries are in place:
     what receivers finished stays, the rest is re-sent as overwrites). `log`: a callable
     taking one line, told about each failed attempt.
+
+    `history` (a directory, "s3" for the s3 transport's bucket, or a `nemo_dcr.history.
+    History`): after each commit the version's payloads are stored there as its delta,
+    and every `anchor_every` versions (and at set-up when there is none) an anchor of the
+    whole model, keeping the newest `keep_anchors`; receivers catch up from it
+    (`nemo_dcr.catchup`). Storing happens after the commit and never fails a refit.
     """
 
     def __init__(
@@ -130,10 +137,18 @@ class TrainerRefit:
         assume_committed: bool = False,
         max_attempts: int = 3,
         log=None,
+        history=None,
+        anchor_every: int = 0,
+        keep_anchors: int = 2,
     ):
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        if anchor_every < 0 or keep_anchors < 1:
+            raise ValueError(f"anchor_every must be >= 0 and keep_anchors >= 1, got {anchor_every}, {keep_anchors}")
         self.max_attempts = max_attempts
+        self.history = open_history(history, transport)
+        self.anchor_every, self.keep_anchors, self.key = anchor_every, keep_anchors, key
+        self.anchor_due = False  # a delta could not be stored: the next commit writes an anchor
         self.log = log or (lambda msg: None)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.failed_since_commit = 0
@@ -177,6 +192,11 @@ class TrainerRefit:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)
         self.baseline.seal()
+        if self.history is not None:
+            self.producer.keep_sent = True
+            has_anchor = bool(self.history.versions(ANCHORS)) if self.rank == 0 else None
+            if not bcast_json(has_anchor):  # catch-up needs an anchor to start from
+                self._store_anchor(version)
         dist.barrier()
 
     def _check_cover(self, maps, owned) -> None:
@@ -235,9 +255,55 @@ class TrainerRefit:
             if self.rank == 0:
                 info = info.retry()
         decision = self._decide(info, decision)
+        if self.history is not None:
+            t = time.perf_counter()
+            self._store_delta(decision.version)
+            if self.anchor_due or (self.anchor_every and decision.version % self.anchor_every == 0):
+                self._store_anchor(decision.version)
+            times["history"] = time.perf_counter() - t
         failed, self.failed_since_commit = self.failed_since_commit, 0
         return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times, failed,
                            attempts=info.attempt + 1)
+
+    # --- history (catch-up for receivers), after the commit -----------------------------
+
+    def _store(self, kind: str, version: int, produce) -> bool:
+        """Every rank stores its payloads; rank 0 then writes the manifest (last, so an
+        entry is complete or absent). False (on every rank) when any rank failed."""
+        try:
+            ids, error = produce(lambda pid, data: self.history.put_payload(kind, version, pid, data)), None
+        except Exception as e:  # noqa: BLE001 - a history failure must not fail the committed refit
+            ids, error = {}, f"rank {self.rank}: {type(e).__name__}: {e}"
+        gathered = gather_json({"ids": ids, "error": error})
+        problem = None
+        if self.rank == 0:
+            problem = next((g["error"] for g in gathered if g["error"]), None)
+            if problem is None:
+                try:
+                    self.history.put_manifest(kind, version, {p: t for g in gathered for p, t in g["ids"].items()},
+                                              self.key)
+                    if kind == ANCHORS:
+                        self.history.prune(self.keep_anchors, self.key)
+                except Exception as e:  # noqa: BLE001
+                    problem = f"rank 0: {type(e).__name__}: {e}"
+        problem = bcast_json(problem)
+        if problem:
+            self.log(f"refit: storing the {kind} of version {version} failed ({problem}); "
+                     "receivers cannot catch up past it until the next anchor")
+        return problem is None
+
+    def _store_delta(self, version: int) -> None:
+        def produce(put):
+            sent = self.producer.sent
+            for pid, (_, data) in sent.items():
+                put(pid, data)
+            return {pid: tid for pid, (tid, _) in sent.items()}
+        if not self._store(DELTAS, version, produce):
+            self.anchor_due = True
+        self.producer.sent = {}
+
+    def _store_anchor(self, version: int) -> None:
+        self.anchor_due = not self._store(ANCHORS, version, lambda put: self.producer.anchor(version, put))
 
     def _attempt(self, info: TransferInfo, skip: set[str], final: bool) -> tuple[Decision, list[dict]]:
         """One attempt: every rank produces; rank 0 decides (commit, or fail)."""

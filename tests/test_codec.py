@@ -366,7 +366,8 @@ def test_malformed_header_json():
     (lambda h: h.update(base_version=-1), "negative"),
     (lambda h: h.update(payload_id=7), "expected a non-empty string"),
     (lambda h: h.update(transfer_id=""), "expected a non-empty string"),
-    (lambda h: h.update(target_version=6), "must be > base_version"),
+    (lambda h: h.update(target_version=5), "must be >= base_version"),
+    (lambda h: h.update(target_version=6), "(an anchor) but a record is not an overwrite"),
     (lambda h: h.update(records={}), "records: expected a list"),
     (lambda h: h["records"][0].pop("op"), "missing field(s) ['op']"),
     (lambda h: h["records"][0].update(crc=1), "unknown field(s) ['crc']"),
@@ -597,7 +598,10 @@ def test_encode_rejects_invalid_records(make, msg):
 
 def test_encode_rejects_bad_header_and_overlap():
     with pytest.raises(ValueError, match="target_version"):
-        encode(payload(header=PayloadHeader("t", 3, 3, "p", "p-0")))
+        encode(payload(header=PayloadHeader("t", 3, 2, "p", "p-0")))
+    with pytest.raises(ValueError, match="an anchor"):
+        encode(payload(rec("w", "F32", (10,), [1]), header=PayloadHeader("t", 3, 3, "p", "p-0")))
+    encode(payload(rec("w", "F32", (10,), [1], op=Op.OVERWRITE), header=PayloadHeader("t", 3, 3, "p", "p-0")))
     with pytest.raises(ValueError, match="overlapping"):
         encode(payload(rec("w", "F32", (10,), [1, 2]), rec("w", "F32", (10,), [2, 3])))
 

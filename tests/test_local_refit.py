@@ -40,7 +40,7 @@ class Setup:
     """A trainer (HF model + AdamW in BF16) and receivers on threads, over the local transport."""
 
     def __init__(self, checkpoint, tmp_path, n_receivers=2, op=Op.XOR, key=None, receiver_key=None,
-                 timeout_s=20, runtime_wrapper=None, max_attempts=3):
+                 timeout_s=20, runtime_wrapper=None, max_attempts=3, refit_kw=None, receiver_kw=None):
         """`runtime_wrapper(receiver_id, runtime)`: what the receiver applies through
         (fault injection); `max_attempts`: the trainer's tries per transfer."""
         self.ids = [f"rx{i}" for i in range(n_receivers)]
@@ -51,7 +51,7 @@ class Setup:
         for rx in self.ids:
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
             r = Receiver(rx, wrap(rx, HFRuntime(model, checkpoint_dir=checkpoint)), self.transport.receiver(rx),
-                         key=receiver_key if receiver_key is not None else key)
+                         key=receiver_key if receiver_key is not None else key, **(receiver_kw or {}))
             self.receivers.append(r)
             t = threading.Thread(target=r.serve_forever, args=(0.05,), daemon=True)
             t.start()
@@ -61,7 +61,8 @@ class Setup:
         self.refit = TrainerRefit(registry.converter("identity", self.model.config), read_specs(checkpoint),
                                   torch_owned_ranges(self.model), ParallelLayout(), self.transport,
                                   state_dir=str(tmp_path / "state"), op=op, key=key,
-                                  max_payload_elements=500, timeout_s=timeout_s, max_attempts=max_attempts)
+                                  max_payload_elements=500, timeout_s=timeout_s, max_attempts=max_attempts,
+                                  **(refit_kw or {}))
 
     def step(self):
         ids = torch.randint(0, 300, (2, 16))
