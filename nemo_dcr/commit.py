@@ -93,10 +93,11 @@ class Coordinator:
         self.version = self.log.latest()
         self.times: dict[str, float] = {}  # seconds of the last transfer's phases (for metrics)
         self.finished_everywhere: list[str] = []
+        self.redo: set[str] = set()  # payloads a receiver finished but read back wrong: the next attempt re-sends them
 
-    def new_transfer(self, producers: list[str]) -> TransferInfo:
+    def new_transfer(self, producers: list[str], *, readback: bool = False) -> TransferInfo:
         tid = f"v{self.version}-v{self.version + 1}-{uuid.uuid4().hex[:8]}"
-        return TransferInfo(tid, self.version, self.version + 1, tuple(producers))
+        return TransferInfo(tid, self.version, self.version + 1, tuple(producers), readback=readback)
 
     def begin(self, info: TransferInfo) -> list[str]:
         """Announce the transfer (or its next attempt); returns problems (empty when
@@ -105,8 +106,9 @@ class Coordinator:
         t = time.perf_counter()
         self.times = {}
         self.finished_everywhere: list[str] = []
+        redo, self.redo = sorted(self.redo) if info.attempt else [], set()
         try:
-            self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json()})
+            self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json(), "redo": redo})
             replies, problems = self._collect("ready", info.transfer_id)
         except TransportError as e:
             return [str(e)]
@@ -136,13 +138,15 @@ class Coordinator:
         return good, problems
 
     def finish(self, info: TransferInfo, producer_problems: list[str],
-               payload_ids: list[str] | None = None, *, final: bool = True) -> Decision:
+               payload_ids: list[str] | None = None, *, final: bool = True,
+               readback: dict[str, dict[str, str]] | None = None) -> Decision:
         """Wait for every receiver's apply, then commit jointly, or fail: abort everywhere
         when `final`, else leave receivers as they are for the next attempt (`info.retry()`).
 
         `payload_ids`: every payload of the transfer (over all its attempts); each receiver
         must report having finished exactly these (end to end, whatever the manifests said
-        on the way)."""
+        on the way). `readback` (when `info.readback`): every payload's expected post-apply
+        digest per tensor; each receiver's read-back must match it."""
         reasons = list(producer_problems)
         replies: dict[str, dict] = {}
         t = time.perf_counter()
@@ -156,6 +160,12 @@ class Coordinator:
             want = payload_set_digest(payload_ids)
             reasons += [f"{r}: applied other payloads than the producers sent ({m.get('payloads')} != {want})"
                         for r, m in sorted(replies.items()) if m.get("payloads") != want]
+        if not reasons and info.readback and readback is not None:
+            for rx, m in sorted(replies.items()):
+                why, wrong = readback_mismatch(readback, m)
+                if why:
+                    reasons.append(f"{rx}: {why}")
+                    self.redo.update(wrong)
         self.times["wait_applied"] = time.perf_counter() - t
         t = time.perf_counter()
         if not reasons:
@@ -191,6 +201,29 @@ class Coordinator:
 
     def shutdown(self) -> None:
         self._broadcast("shutdown", {"nonce": uuid.uuid4().hex})
+
+
+def readback_mismatch(expected: dict[str, dict[str, str]], reply: dict) -> tuple[str | None, list[str]]:
+    """Why a receiver's read-back does not prove it holds the expected bits (None if it
+    does), and the payloads found wrong (to be re-sent by the next attempt)."""
+    scope, got = reply.get("readback_scope"), reply.get("readback")
+    if scope == "none":
+        return None, []  # a runtime holding parts of tensors cannot read back whole records (documented)
+    if not isinstance(got, dict):
+        return "sent no read-back digests", []
+    wrong, why = [], None
+    for pid, tensors in sorted(expected.items()):
+        have = got.get(pid)
+        if not isinstance(have, dict):
+            why = why or f"read back nothing of payload {pid}"
+        elif scope == "all" and set(have) != set(tensors):
+            why = why or f"read back tensors {sorted(have)[:3]} of payload {pid}, expected {sorted(tensors)[:3]}"
+        elif bad := sorted(n for n in have if tensors.get(n) != have[n]):
+            why = why or f"read-back of payload {pid} differs from the producers' bits in {bad[:3]}"
+        else:
+            continue
+        wrong.append(pid)
+    return why, wrong
 
 
 def payload_set_digest(payload_ids) -> str:

@@ -32,7 +32,7 @@ from nemo_dcr.history import open_history
 from nemo_dcr.records import Op, Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.transport import ReceiverEnd, TransferInfo
-from nemo_dcr.verify import state_digests
+from nemo_dcr.verify import read_back, state_digests
 
 
 @dataclass
@@ -45,6 +45,7 @@ class _Lineage:
     started: set[str] = field(default_factory=set)  # payload ids whose apply began
     finished: dict[str, UndoLog] = field(default_factory=dict)  # ... and completed (in order), with undo logs
     complete: bool = False  # every listed payload finished and 'applied' was answered without error
+    readback: dict[str, dict[str, str]] = field(default_factory=dict)  # payload id -> tensor -> post-apply digest
 
     @property
     def uncertain(self) -> list[str]:
@@ -64,6 +65,7 @@ class _Transfer:
     applied: bool = False
     replied: bool = False
     applied_payloads: str | None = None  # digest of the lineage's finished payload ids (see payload_set_digest)
+    readback_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     stage_s: float = 0.0
     apply_s: float = 0.0
@@ -98,6 +100,11 @@ class Receiver:
         self.catalog = self.held if canonical_catalog is None else _superset(canonical_catalog, self.held)
         self.current: _Transfer | None = None
         self.lineage: _Lineage | None = None
+        # Read-back verification: "all" tensors, only the "held" ones (a subset receiver), or
+        # "none" where the runtime holds parts of tensors (a TP shard): positions outside it
+        # would not read back.
+        self.readback_scope = ("none" if not getattr(runtime, "full_coverage", True)
+                               else "all" if self.held == self.catalog else "held")
         self.uncertain_state: str | None = None  # why the bits are unknown (refuses transfers until caught up)
         self.log = log or (lambda msg: None)
         self.history = open_history(history)
@@ -131,7 +138,7 @@ class Receiver:
             if kind == "payload":
                 self._on_payload(event)
             elif kind == "begin":
-                self._on_begin(TransferInfo.from_json(meta["transfer"]))
+                self._on_begin(TransferInfo.from_json(meta["transfer"]), meta.get("redo") or [])
             elif kind == "manifest":
                 self._on_manifest(meta)
             elif kind == "commit":
@@ -148,7 +155,8 @@ class Receiver:
 
     # --- handlers -------------------------------------------------------------------
 
-    def _on_begin(self, info: TransferInfo) -> None:
+    def _on_begin(self, info: TransferInfo, redo: list[str] = ()) -> None:
+        """`redo`: payloads read back wrong somewhere: finished here, they count as uncertain."""
         self.current = None
         lin = self.lineage
         if lin is not None and lin.complete and info.base_version == lin.target:
@@ -180,6 +188,9 @@ class Receiver:
             return
         if lin is None:
             lin = self.lineage = _Lineage(info.lineage_id, info.base_version, info.target_version)
+        for pid in redo:
+            if lin.finished.pop(pid, None) is not None:
+                lin.readback.pop(pid, None)
         lin.complete = False
         self.current = _Transfer(info)
         self._reply("ready", {"transfer_id": info.transfer_id, "error": None,
@@ -256,6 +267,7 @@ class Receiver:
         if unlisted:
             return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
         t = time.perf_counter()
+        readback = cur.info.readback and self.readback_scope != "none"
         try:
             for pid in todo:  # journal: started -> apply (all or nothing per call) -> finished
                 records = [rec for rec in cur.staged[pid].records if rec.name in self.held]
@@ -265,9 +277,13 @@ class Receiver:
                 except Exception as e:  # noqa: BLE001 - any failure leaves this payload uncertain
                     return self._reply_applied(cur, f"apply of payload {pid} failed: {type(e).__name__}: {e}")
                 lin.finished[pid] = undo
+                if readback:  # what the runtime holds now at the records' positions (outside the pause)
+                    r0 = time.perf_counter()
+                    lin.readback[pid] = read_back(self.runtime.canonical_state(), records)
+                    cur.readback_s += time.perf_counter() - r0
                 del cur.staged[pid]  # the undo log keeps what revert needs
         finally:
-            cur.apply_s = time.perf_counter() - t
+            cur.apply_s = time.perf_counter() - t - cur.readback_s
         cur.applied = True
         cur.applied_payloads = payload_set_digest(lin.finished)
         cur.staged.clear()
@@ -280,6 +296,8 @@ class Receiver:
             "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
             "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started, "payloads": cur.applied_payloads,
             "dropped": cur.dropped,
+            **({"readback": self.lineage.readback if self.lineage else {}, "readback_scope": self.readback_scope,
+                "readback_s": cur.readback_s} if cur.info.readback else {}),
         })
 
     def _on_commit(self, meta: dict) -> None:

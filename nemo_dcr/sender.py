@@ -23,6 +23,7 @@ from nemo_dcr.layout import OwnedRange
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
+from nemo_dcr.verify import region_digest
 
 AUTO = "auto"  # Producer(op=AUTO): xor or add per record, whichever codes smaller
 
@@ -43,6 +44,8 @@ class ProducerReport:
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     payload_ids: list[str] = field(default_factory=list)  # what the manifest lists (sent this attempt)
     all_payload_ids: list[str] = field(default_factory=list)  # ... and those skipped as finished everywhere
+    # transfer.readback: per payload id (all of them), each record's expected post-apply digest
+    readback: dict[str, dict[str, str]] = field(default_factory=dict)
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -50,36 +53,46 @@ class ProducerReport:
 
 
 class _PayloadBuilder:
-    """Accumulates placed changes per canonical tensor until a payload is full."""
+    """Accumulates placed changes per canonical tensor until a payload is full.
 
-    def __init__(self):
+    With `track_new`, the new bits of every placed element are kept beside the values,
+    and `digests` (after `take`) holds each record's expected post-apply digest."""
+
+    def __init__(self, track_new: bool = False):
         # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
-        self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, np.ndarray]]] = {}
+        self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None]]] = {}
         self.elements = 0
+        self.track_new = track_new
+        self.digests: dict[str, str] = {}
 
-    def add(self, name: str, op: Op | str, positions: np.ndarray, values) -> None:
-        self.parts.setdefault((name, op), []).append((positions, values))
+    def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None) -> None:
+        self.parts.setdefault((name, op), []).append((positions, values, new if self.track_new else None))
         self.elements += positions.size
 
     def clear(self) -> None:
         self.parts, self.elements = {}, 0
 
     def take(self, specs: dict) -> list[Record]:
-        records = []
+        records, self.digests = [], {}
         for (name, op), parts in self.parts.items():
-            pos = np.concatenate([p for p, _ in parts])
+            pos = np.concatenate([p for p, _, _ in parts])
             if op == AUTO:
-                xv = np.concatenate([v[0] for _, v in parts])
-                av = np.concatenate([v[1] for _, v in parts])
+                xv = np.concatenate([v[0] for _, v, _ in parts])
+                av = np.concatenate([v[1] for _, v, _ in parts])
                 op = codec.choose_op(xv, av, xv.dtype.itemsize)
                 val = xv if op is Op.XOR else av
             else:
-                val = np.concatenate([v for _, v in parts])
+                val = np.concatenate([v for _, v, _ in parts])
+            new = np.concatenate([n for _, _, n in parts]) if self.track_new else None
             if pos.size > 1 and not np.all(pos[1:] > pos[:-1]):
                 order = np.argsort(pos, kind="stable")
                 pos, val = pos[order], val[order]
+                new = None if new is None else new[order]
             dtype, shape = specs[name]
-            records.append(Record(name, dtype, tuple(shape), op, pos.astype(np.uint64, copy=False), val))
+            pos = pos.astype(np.uint64, copy=False)
+            records.append(Record(name, dtype, tuple(shape), op, pos, val))
+            if new is not None:
+                self.digests[name] = region_digest(pos, new)
         self.clear()
         return records
 
@@ -161,7 +174,7 @@ class Producer:
         rep = ProducerReport(self.id)
         t0 = time.perf_counter()
         self.baseline.begin(transfer.target_version)
-        builder, payload_ids, all_ids = _PayloadBuilder(), [], []
+        builder, payload_ids, all_ids = _PayloadBuilder(track_new=transfer.readback), [], []
         op_affine = Op.OVERWRITE if transfer.attempt > 0 else self.op
         if transfer.attempt == 0:
             self.sent = {}
@@ -169,10 +182,16 @@ class Producer:
         def emit():
             pid = f"{self.id}-{len(all_ids):06d}"
             all_ids.append(pid)
-            if pid in skip:
+            if pid in skip and not transfer.readback:
                 builder.clear()
                 return
+            t = time.perf_counter()
             records = builder.take(self.specs)
+            if transfer.readback:
+                rep.readback[pid] = builder.digests
+                rep.times["digest"] = rep.times.get("digest", 0.0) + time.perf_counter() - t
+            if pid in skip:
+                return
             t = time.perf_counter()
             header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
                                    self.id, pid)
@@ -209,6 +228,7 @@ class Producer:
                     both = (_unsigned(delta.xor()), _unsigned(delta.add()))
                 else:
                     values = _unsigned({Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]())
+                new = _unsigned(delta.new) if builder.track_new else None
                 changed += len(delta)
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
@@ -216,7 +236,8 @@ class Producer:
                 if offset:
                     local = local + offset
                 for name, cpos, src in _placed(amap, local):
-                    builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src])
+                    builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src],
+                                None if new is None else new[src])
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
                 if builder.elements >= self.max_payload_elements:

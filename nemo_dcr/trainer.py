@@ -92,6 +92,8 @@ class RefitResult:
             "failed_transfers_before": self.failed_before,
             "recovered": self.attempts > 1 or self.failed_before > 0,
             "receiver_dropped_payloads": sum(r.get("dropped", 0) for r in applied),
+            "receiver_readback_s": max((r.get("readback_s", 0.0) for r in applied), default=0.0),
+            "producer_digest_s": max((p["times"].get("digest", 0.0) for p in self.producers), default=0.0),
             **{f"coordinator_{k}_s": v for k, v in sorted(self.coordinator_times.items())},
         }
 
@@ -117,6 +119,10 @@ class TrainerRefit:
     and every `anchor_every` versions (and at set-up when there is none) an anchor of the
     whole model, keeping the newest `keep_anchors`; receivers catch up from it
     (`nemo_dcr.catchup`). Storing happens after the commit and never fails a refit.
+
+    `readback`: receivers read every applied region back through their runtime and the
+    commit waits until each one's digests match what the producers sent (else the attempt
+    fails and is retried with overwrites); costs are in the metrics (readback, digest).
     """
 
     def __init__(
@@ -140,12 +146,13 @@ class TrainerRefit:
         history=None,
         anchor_every: int = 0,
         keep_anchors: int = 2,
+        readback: bool = False,
     ):
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         if anchor_every < 0 or keep_anchors < 1:
             raise ValueError(f"anchor_every must be >= 0 and keep_anchors >= 1, got {anchor_every}, {keep_anchors}")
-        self.max_attempts = max_attempts
+        self.max_attempts, self.readback = max_attempts, readback
         self.history = open_history(history, transport)
         self.anchor_every, self.keep_anchors, self.key = anchor_every, keep_anchors, key
         self.anchor_due = False  # a delta could not be stored: the next commit writes an anchor
@@ -230,7 +237,7 @@ class TrainerRefit:
         Raises TransferFailed (on every rank) when the transfer did not commit.
         """
         t0 = time.perf_counter()
-        info = self.coordinator.new_transfer(self.producer_ids) if self.rank == 0 else None
+        info = self.coordinator.new_transfer(self.producer_ids, readback=self.readback) if self.rank == 0 else None
         times: dict[str, float] = {}
         reports: list[dict] = []
         for attempt in range(self.max_attempts):
@@ -319,7 +326,9 @@ class TrainerRefit:
             bad += [f"{rx} rejected {pid}: {why}" for r in reports for rx, d in r["rejected"].items()
                     for pid, why in d.items()]
             every = [pid for r in reports for pid in r.get("all_payload_ids", [])]
-            decision = self.coordinator.finish(info, bad, payload_ids=every, final=final)
+            readback = {pid: d for r in reports for pid, d in r.get("readback", {}).items()}
+            decision = self.coordinator.finish(info, bad, payload_ids=every, final=final,
+                                               readback=readback if info.readback else None)
         return Decision(**bcast_json(decision.to_json() if decision else None)), reports or []
 
     def _decide(self, info: TransferInfo, decision: Decision) -> Decision:

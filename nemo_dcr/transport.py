@@ -30,6 +30,7 @@ class TransferInfo:
     # `lineage`) may have left half-applied; receivers keep their apply journal across them.
     attempt: int = 0
     lineage: str = ""  # "" on the first attempt: its own transfer id
+    readback: bool = False  # receivers read applied regions back; their digests are checked before the commit
 
     @property
     def lineage_id(self) -> str:
@@ -40,7 +41,7 @@ class TransferInfo:
         earlier attempt is ever taken for one of this one)."""
         n = self.attempt + 1
         return TransferInfo(f"{self.lineage_id}-r{n}", self.base_version, self.target_version, self.producers,
-                            n, self.lineage_id)
+                            n, self.lineage_id, self.readback)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -48,7 +49,8 @@ class TransferInfo:
     @classmethod
     def from_json(cls, d: dict) -> "TransferInfo":
         return cls(str(d["transfer_id"]), int(d["base_version"]), int(d["target_version"]),
-                   tuple(str(p) for p in d["producers"]), int(d.get("attempt", 0)), str(d.get("lineage", "")))
+                   tuple(str(p) for p in d["producers"]), int(d.get("attempt", 0)), str(d.get("lineage", "")),
+                   bool(d.get("readback", False)))
 
 
 @dataclass

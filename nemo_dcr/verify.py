@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 
@@ -11,6 +12,28 @@ def tensor_digest(t: torch.Tensor) -> str:
     """BLAKE2b-128 of a tensor's stored bits (dtype and shape are compared separately)."""
     flat = t.detach().contiguous().cpu().reshape(-1)
     return hashlib.blake2b(flat.view(torch.uint8).numpy(), digest_size=16).hexdigest()
+
+
+def region_digest(positions: np.ndarray, bits: np.ndarray) -> str:
+    """BLAKE2b-128 of some elements' positions (uint64) and stored bits (unsigned ints of
+    the dtype's width), little-endian: what a record should leave behind once applied."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(positions, dtype="<u8").tobytes())
+    h.update(np.ascontiguousarray(bits).astype(bits.dtype.newbyteorder("<"), copy=False).tobytes())
+    return h.hexdigest()
+
+
+def read_back(state: dict[str, torch.Tensor], records) -> dict[str, str]:
+    """`region_digest` of every record's positions as the runtime holds them now."""
+    from nemo_dcr import dtypes
+
+    out = {}
+    for r in records:
+        flat = dtypes.bits_of(state[r.name].detach().contiguous()).reshape(-1)
+        idx = torch.from_numpy(r.positions.view(np.int64)).to(flat.device)
+        got = flat.index_select(0, idx).cpu().numpy()
+        out[r.name] = region_digest(r.positions, got.view(f"<u{got.itemsize}"))
+    return out
 
 
 def state_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:

@@ -9,7 +9,7 @@ import pytest
 from nemo_dcr.errors import TransferFailed
 from nemo_dcr.records import Op
 from nemo_dcr.verify import bit_mismatches
-from tests.support.faults import FaultyEnd, HalfApply
+from tests.support.faults import FaultyEnd, HalfApply, SilentCorruption
 from tests.support.wait import serving, until
 from tests.test_local_refit import Setup, checkpoint  # noqa: F401 - the module-scoped checkpoint fixture
 
@@ -128,5 +128,39 @@ def test_receiver_that_missed_the_commit_adopts_it_on_the_next_begin(checkpoint,
         assert s.refit.refit().decision.committed and rx.serving_version in (1, 2)
         serving(s.receivers, 2)
         _exact(s)
+    finally:
+        s.close()
+
+
+def test_readback_catches_a_silent_corruption_and_the_retry_repairs_it(checkpoint, tmp_path):
+    """rx0's 2nd apply call flips one written bit without raising. The payload checksums
+    all passed, so only the read-back of applied regions can see it: the attempt fails
+    with a reason naming the payload, the retry overwrites, the commit is bit-exact."""
+    bad = {}
+    s = Setup(checkpoint, tmp_path, refit_kw={"readback": True}, runtime_wrapper=lambda rx, rt: bad.setdefault(
+        rx, SilentCorruption(rt, crash_on=(2,) if rx == "rx0" else ())))
+    logs = []
+    s.refit.log = logs.append
+    try:
+        s.step()
+        result = s.refit.refit()
+        assert bad["rx0"].crashes == 1 and result.attempts == 2 and result.decision.committed
+        assert "rx0: read-back of payload p0-000001 differs" in logs[0]
+        m = result.metrics()
+        assert m["receiver_readback_s"] > 0 and m["producer_digest_s"] > 0
+        serving(s.receivers, 1)
+        _exact(s)
+    finally:
+        s.close()
+
+
+def test_without_readback_a_silent_corruption_commits(checkpoint, tmp_path):
+    """The control for the test above: checksums and payload sets cannot see it."""
+    s = Setup(checkpoint, tmp_path, n_receivers=1, runtime_wrapper=lambda rx, rt: SilentCorruption(rt, (2,)))
+    try:
+        s.step()
+        assert s.refit.refit().attempts == 1
+        serving(s.receivers, 1)
+        assert len(bit_mismatches(s.expected(), s.receivers[0].runtime.canonical_state())) == 1
     finally:
         s.close()

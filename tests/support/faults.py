@@ -3,6 +3,8 @@
 - `HalfApply`: a runtime adapter wrapper whose chosen apply calls write the first half of
   their records and then raise, leaving them written: what a receiver interrupted
   between records leaves behind (the real adapters revert a failed call).
+- `SilentCorruption`: a runtime wrapper whose chosen apply calls succeed but leave one
+  written element with a flipped bit (a faulty kernel or memory): only read-back sees it.
 - `FaultyEnd`: a producer end wrapper that drops, corrupts, duplicates or delays chosen
   payloads on their first send (later sends of the same id go through untouched).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nemo_dcr import dtypes
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Record
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog
@@ -43,6 +46,18 @@ class HalfApply(RuntimeAdapter):
 
     def canonical_state(self):
         return self.inner.canonical_state()
+
+
+class SilentCorruption(HalfApply):
+    def apply(self, records: Sequence[Record]) -> UndoLog:
+        self.calls += 1
+        log = self.inner.apply(records)
+        hit = next((r for r in records if len(r)), None)
+        if self.calls in self.crash_on and hit is not None:
+            flat = dtypes.bits_of(self.inner.canonical_state()[hit.name].detach()).view(-1)
+            flat[int(hit.positions[0])] ^= 1
+            self.crashes += 1
+        return log
 
 
 class FaultyEnd(ProducerEnd):
