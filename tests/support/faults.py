@@ -20,10 +20,32 @@ from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 
 
-class HalfApply(RuntimeAdapter):
-    def __init__(self, inner: RuntimeAdapter, crash_on: Sequence[int] = (1,)):
-        """`crash_on`: 1-based numbers of the apply calls to interrupt."""
-        self.inner, self.crash_on, self.calls, self.crashes = inner, set(crash_on), 0, 0
+class ReceiverCrash(BaseException):
+    """Raised through a receiver's event loop: the thread ends, as a killed process would."""
+
+
+class FaultyRuntime(RuntimeAdapter):
+    """Delegates to a runtime; chosen apply calls (1-based, `crash_on`, or armed later with
+    `arm`) misbehave, each in one `mode`:
+
+    - "half": write the first half of the call's records, then raise ApplyError, leaving
+      them written (an apply interrupted between records);
+    - "crash": the same, then raise ReceiverCrash (the receiver dies mid-apply);
+    - "silent": apply everything, then flip one written bit and return normally.
+    """
+
+    MODES = ("half", "crash", "silent")
+
+    def __init__(self, inner: RuntimeAdapter, mode: str = "half", crash_on: Sequence[int] = ()):
+        if mode not in self.MODES:
+            raise ValueError(f"unknown fault mode {mode!r}; choose from {self.MODES}")
+        self.inner, self.mode, self.crash_on, self.calls, self.crashes = inner, mode, set(crash_on), 0, 0
+
+    def arm(self, mode: str, after_calls: int = 1) -> None:
+        """Misbehave in `mode` on the `after_calls`-th apply call from now."""
+        if mode not in self.MODES:
+            raise ValueError(f"unknown fault mode {mode!r}; choose from {self.MODES}")
+        self.mode, self.crash_on = mode, {self.calls + after_calls}
 
     def catalog(self) -> Catalog:
         return self.inner.catalog()
@@ -35,11 +57,19 @@ class HalfApply(RuntimeAdapter):
         self.calls += 1
         if self.calls not in self.crash_on:
             return self.inner.apply(records)
+        self.crashes += 1
         records = list(records)
+        if self.mode == "silent":
+            log = self.inner.apply(records)
+            hit = next((r for r in records if len(r)), None)
+            if hit is not None:
+                flat = dtypes.bits_of(self.inner.canonical_state()[hit.name].detach()).view(-1)
+                flat[int(hit.positions[0])] ^= 1
+            return log
         half = max(1, len(records) // 2) if records else 0
         self.inner.apply(records[:half])  # written, and never reverted
-        self.crashes += 1
-        raise ApplyError(f"injected: apply interrupted after {half} of {len(records)} records")
+        what = f"injected: apply interrupted after {half} of {len(records)} records"
+        raise ReceiverCrash(what) if self.mode == "crash" else ApplyError(what)
 
     def revert(self, log: UndoLog) -> None:
         self.inner.revert(log)
@@ -48,16 +78,12 @@ class HalfApply(RuntimeAdapter):
         return self.inner.canonical_state()
 
 
-class SilentCorruption(HalfApply):
-    def apply(self, records: Sequence[Record]) -> UndoLog:
-        self.calls += 1
-        log = self.inner.apply(records)
-        hit = next((r for r in records if len(r)), None)
-        if self.calls in self.crash_on and hit is not None:
-            flat = dtypes.bits_of(self.inner.canonical_state()[hit.name].detach()).view(-1)
-            flat[int(hit.positions[0])] ^= 1
-            self.crashes += 1
-        return log
+def HalfApply(inner: RuntimeAdapter, crash_on: Sequence[int] = (1,)) -> FaultyRuntime:  # noqa: N802
+    return FaultyRuntime(inner, "half", crash_on)
+
+
+def SilentCorruption(inner: RuntimeAdapter, crash_on: Sequence[int] = (1,)) -> FaultyRuntime:  # noqa: N802
+    return FaultyRuntime(inner, "silent", crash_on)
 
 
 class FaultyEnd(ProducerEnd):
