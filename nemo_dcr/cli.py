@@ -67,6 +67,7 @@ def cmd_receive(args) -> int:
     from transformers import AutoModelForCausalLM
 
     from nemo_dcr import registry
+    from nemo_dcr.history import open_history
     from nemo_dcr.receiver import Receiver
     from nemo_dcr.runtimes.hf import HFRuntime
 
@@ -76,7 +77,8 @@ def cmd_receive(args) -> int:
     runtime = HFRuntime(model, checkpoint_dir=args.checkpoint)
     transport = registry.transport(args.transport, json.loads(args.transport_config))
     end = transport.receiver(args.id)
-    receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True))
+    receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True),
+                        history=open_history(args.history, transport))
     params = sum(p.numel() for p in model.parameters())
     print(f"[{args.id}] serving version 0 from {args.checkpoint} "
           f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s)", flush=True)
@@ -297,6 +299,8 @@ def main(argv=None) -> int:
     r.add_argument("--transport", default="local")
     r.add_argument("--transport-config", default="{}")
     r.add_argument("--key-env", help="environment variable holding the HMAC key")
+    r.add_argument("--history", help="catch up from this refit history when behind or uncertain: a directory, "
+                                     "or 's3' (the s3 transport's bucket)")
     r.set_defaults(func=cmd_receive)
 
     m = sub.add_parser("make-checkpoint", help="write a small random version-0 HF checkpoint")

@@ -110,3 +110,25 @@ def test_relay_with_curve_validates():
     with pytest.raises(ConfigError, match=f"{P}.relay.curve_secret_env must name an environment variable"):
         from_generation_config(with_dcr(transport="relay", s3=None, relay={**relay, "curve_secret_env": ""},
                                         state_dir="/shared/s"))
+
+
+def test_recovery_settings_reach_the_trainer(monkeypatch):
+    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
+    settings = from_generation_config(with_dcr(max_attempts=5, readback=True,
+                                               history={"store": "s3", "anchor_every": 20, "keep_anchors": 3}))
+    kwargs = settings.trainer_kwargs()
+    assert (kwargs["max_attempts"], kwargs["readback"], kwargs["history"]) == (5, True, "s3")
+    assert (kwargs["anchor_every"], kwargs["keep_anchors"]) == (20, 3)
+    assert from_generation_config(example_generation()).trainer_kwargs()["history"] is None  # off by default
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"max_attempts": 0}, f"{P}.max_attempts must be a positive int"),
+    ({"readback": "yes"}, f"{P}.readback must be true or false"),
+    ({"history": {"anchor_every": 5}}, f"{P}.history.store is required"),
+    ({"history": {"store": "/shared/h", "keep_anchors": 0}}, f"{P}.history.keep_anchors must be an integer >= 1"),
+    ({"history": {"store": "/shared/h", "every": 3}}, f"{P}.history.every: unknown field"),
+])
+def test_recovery_settings_are_checked(changes, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        from_generation_config(with_dcr(**changes))

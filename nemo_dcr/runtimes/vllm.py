@@ -344,9 +344,11 @@ class DCRWorkerExtension:
         return self.model_runner.get_model()
 
     def dcr_start(self, checkpoint_dir: str, transport: str, transport_config: dict, receiver_id: str,
-                  key_env: str | None = None, version: int = 0) -> dict:
-        """Build the adapter on this worker's model and open a receiver end."""
+                  key_env: str | None = None, version: int = 0, history: str | None = None) -> dict:
+        """Build the adapter on this worker's model and open a receiver end (`history`: a
+        directory or "s3" to catch up from when behind or uncertain)."""
         from nemo_dcr import registry
+        from nemo_dcr.history import open_history
         from nemo_dcr.receiver import Receiver
 
         t = time.perf_counter()
@@ -367,8 +369,9 @@ class DCRWorkerExtension:
             if not value:
                 raise ApplyError(f"HMAC key variable {key_env} is not set in the worker")
             key = value.encode()
-        end = registry.transport(transport, dict(transport_config)).receiver(rid)
-        self._dcr_receiver = Receiver(rid, runtime, end, version=version, key=key)
+        wiring = registry.transport(transport, dict(transport_config))
+        self._dcr_receiver = Receiver(rid, runtime, wiring.receiver(rid), version=version, key=key,
+                                      history=open_history(history, wiring))
         return {"receiver_id": rid, "catalog": len(runtime.catalog()), "ignored": dict(runtime.ignored),
                 "kept_loader_format": sorted(f"{type(m).__name__}.{n}" for m, ps in runtime._kept.items()
                                              for n in ps),

@@ -70,6 +70,11 @@ class DCRSettings:
     timeout_s: float = 300.0
     max_payload_elements: int = 1 << 20
     metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
+    max_attempts: int = 3  # tries of one transfer (retries are in place, as overwrites)
+    readback: bool = False  # receivers read applied regions back; checked before the commit
+    history: str | None = None  # a directory or "s3": deltas and anchors for catch-up (None: off)
+    anchor_every: int = 0
+    keep_anchors: int = 2
 
     def key(self) -> bytes | None:
         """The HMAC key from the environment (never stored in the config, never logged)."""
@@ -87,7 +92,9 @@ class DCRSettings:
         """Keyword arguments for `nemo_dcr.trainer.TrainerRefit` (besides what the worker knows)."""
         return {"state_dir": self.state_dir, "op": self.op, "key": self.key(), "timeout_s": self.timeout_s,
                 "max_payload_elements": self.max_payload_elements,
-                "baseline_dir": self.baseline_dir if self.baseline_storage == "mmap" else None}
+                "baseline_dir": self.baseline_dir if self.baseline_storage == "mmap" else None,
+                "max_attempts": self.max_attempts, "readback": self.readback, "history": self.history,
+                "anchor_every": self.anchor_every, "keep_anchors": self.keep_anchors}
 
     def build_transport(self, receivers: list[str] | None = None):
         return registry.transport(self.transport, self.transport_config, receivers=receivers)
@@ -113,7 +120,8 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
                                       f"section (e.g. transport: s3 with s3: {{bucket: ...}})"])
     checker = _Checker(problems)
     known = {"transport", "converter", "converter_options", "op", "state_dir", "baseline", "key_env", "verify",
-             "timeout_s", "max_payload_elements", "metrics_port", *registry.available("nemo_dcr.transports")}
+             "timeout_s", "max_payload_elements", "metrics_port", "max_attempts", "readback", "history",
+             *registry.available("nemo_dcr.transports")}
     for unknown in sorted(set(cfg) - known):
         problems.append(f"{PATH}.{unknown}: unknown field (known: {', '.join(sorted(known))})")
 
@@ -166,12 +174,31 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
                                      or not 1 <= metrics_port <= 65535):
         problems.append(f"{PATH}.metrics_port must be a TCP port number (1-65535), got {metrics_port!r}")
         metrics_port = None
+    max_attempts = checker.positive(cfg, "max_attempts", 3, int)
+    readback = cfg.get("readback", False)
+    if not isinstance(readback, bool):
+        problems.append(f"{PATH}.readback must be true or false, got {readback!r}")
+    history = checker.mapping(cfg, "history")
+    for unknown in sorted(set(history) - {"store", "anchor_every", "keep_anchors"}):
+        problems.append(f"{PATH}.history.{unknown}: unknown field (known: anchor_every, keep_anchors, store)")
+    store = checker.string(history, "store", where=f"{PATH}.history")
+    if history and store is None:
+        problems.append(f"{PATH}.history.store is required: a directory both sides can read, or 's3' "
+                        f"(the s3 transport's bucket)")
+    if store == "s3" and transport != "s3":
+        problems.append(f"{PATH}.history.store 's3' keeps the history in the s3 transport's bucket; "
+                        f"with the {transport} transport give a shared directory")
+    anchor_every, keep_anchors = history.get("anchor_every", 10), history.get("keep_anchors", 2)
+    for name, value, low in (("anchor_every", anchor_every, 0), ("keep_anchors", keep_anchors, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            problems.append(f"{PATH}.history.{name} must be an integer >= {low}, got {value!r}")
     if problems:
         raise ConfigError(problems)
     return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
                        converter_options=dict(options), op=Op(op), state_dir=state_dir, baseline_storage=storage,
                        baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
-                       max_payload_elements=max_payload, metrics_port=metrics_port)
+                       max_payload_elements=max_payload, metrics_port=metrics_port, max_attempts=max_attempts,
+                       readback=readback, history=store, anchor_every=anchor_every, keep_anchors=keep_anchors)
 
 
 class _Checker:

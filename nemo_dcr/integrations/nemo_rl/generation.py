@@ -51,7 +51,7 @@ def start_dcr_receivers(llm_or_collective_rpc, settings: DCRSettings, checkpoint
     payloads are staged while the engine generates."""
     rpc = _rpc(llm_or_collective_rpc)
     started = rpc("dcr_start", args=(str(checkpoint_dir), settings.transport, dict(settings.transport_config),
-                                     receiver_id, settings.key_env, version))
+                                     receiver_id, settings.key_env, version, settings.history))
     if background:
         rpc("dcr_background_start")
     return list(started)
