@@ -11,8 +11,10 @@ retries and a history for catch-up. Every refit steps the trainer, arms at most 
 and refits. A supervisor restarts a receiver whose thread died (a fresh model from the
 initial checkpoint: it catches up from the history on the next begin).
 
-Faults: a receiver's apply interrupted half-way (`half`), a receiver killed mid-apply
-(`crash`), a bit flipped after a successful apply (`silent`), a payload dropped,
+Faults: a receiver's apply interrupted half-way (`half`), in every attempt (`stuck`: the
+transfer must fail closed; the receiver, its bits unknown, catches up from the history at
+the next begin), a receiver killed mid-apply (`crash`), a bit flipped after a successful
+apply (`silent`), a payload dropped,
 duplicated, reordered or corrupted on the wire, a relay node killed and restarted
 (`kill_relay`), S3 5xx replies and stalls through the proxy (`s3_5xx`, `s3_timeout`).
 
@@ -55,7 +57,7 @@ from tests.support.faults import FaultyEnd, FaultyRuntime
 from tests.support.transports import open_transport
 
 KEY = b"campaign-key"
-COMMON = ("none", "half", "crash", "silent", "drop", "duplicate", "reorder", "corrupt")
+COMMON = ("none", "half", "crash", "silent", "drop", "duplicate", "reorder", "corrupt", "stuck")
 EXTRA = {"local": (), "relay": ("kill_relay",), "s3": ("s3_5xx", "s3_timeout")}
 
 
@@ -203,6 +205,10 @@ def arm(env: Env, fault: str, rng: random.Random) -> bool:
     victim = rng.choice(env.ids)
     if fault in ("half", "crash", "silent"):
         env.runtimes[victim].arm(fault, after_calls=rng.randint(1, 3))
+    elif fault == "stuck":  # every attempt breaks off: the transfer must fail closed
+        rt = env.runtimes[victim]
+        rt.arm("half")
+        rt.crash_on = set(range(rt.calls + 1, rt.calls + 10_000))
     elif fault in FaultyEnd.KINDS:
         env.refit.producer.end = FaultyEnd(env.end, {f"p0-{rng.randint(0, 3):06d}": fault})
     elif fault == "kill_relay":
