@@ -34,6 +34,9 @@ Choices, and why:
   skipped). `seq` starts at the coordinator's clock in microseconds and counts up, so one
   coordinator's messages arrive in order. A coordinator that starts deletes the control
   messages and `active/` markers a previous one left (those transfers will never finish).
+  A retried write can bring a message back after its receiver deleted it (the first try
+  landed, its answer was lost): a receiver remembers what it handled under each key (its
+  last 4096 keys) and drops the same message under the same key.
 - Integrity: every object carries its SHA-256, checked by the server on writes and by the
   reader on every read (see `s3_store`). A payload that fails its check in three reads is
   rejected by the receiver with that reason. The codec's BLAKE2b/HMAC still protect end to end.
@@ -43,6 +46,15 @@ Choices, and why:
   time. Payloads of `multipart_threshold` bytes or more go up in `part_size` parts.
 - Commit records: of two coordinators committing version N, the second gets HTTP 412 and
   `AlreadyCommitted` (a HEAD first also stops stores that ignore the condition, bar a race).
+  A 412 can also answer a retry of one's own create whose first try landed: the record
+  stored is then compared with the one meant, byte for byte (the body is made once, and
+  names the transfer), and only another coordinator's record is `AlreadyCommitted`.
+- Faults: every store operation retries transient failures (5xx, throttling, timeouts,
+  resets, bodies cut off) beyond botocore's `max_attempts`, for up to `retry_s`, then fails
+  closed with a TransportError naming the operation, the object, the endpoint and the bucket
+  (see `s3_store`). Whatever runs the failed operation then fails: a producer's send/flush,
+  a receiver's poll or reply (a payload that cannot be read is rejected, naming it), the
+  coordinator's collect; nothing is taken for absent because it could not be read.
 - What stays: a producer deletes each payload once every receiver staged it (unless
   `keep_payloads`) and the acks it read; the coordinator deletes the replies it collected
   and, on commit or abort, the rest of the transfer (with `keep_payloads`, a committed
@@ -50,24 +62,29 @@ Choices, and why:
   commit records (and kept transfers), plus at times a few small objects of late peers of an
   aborted transfer. `cleanup()` deletes everything under the prefix, commit records and
   unfinished multipart uploads included: call it when the job's history is not needed.
-- Bad input fails fast: opening an end checks the bucket (HEAD, retried on connection errors
-  only, until `timeout_s`); a missing bucket, refused credentials or an unreachable endpoint
-  is a TransportError naming the endpoint and bucket. Every wait is bounded by `timeout_s`.
+- Bad input fails fast: opening an end checks the bucket (HEAD, retried on transient
+  failures only, until `timeout_s`); a missing bucket, refused credentials or an unreachable endpoint
+  is a TransportError naming the endpoint and bucket. Every wait is bounded by `timeout_s`
+  (plus, for the store operation under way, `retry_s` and one attempt's timeouts).
 
 Configuration: bucket (required), endpoint_url (default: AWS), region, prefix ("nemo-dcr"),
 timeout_s (120), poll_s (0.05), max_in_flight_bytes (256 MiB), part_size (64 MiB),
 multipart_threshold (= part_size), upload_concurrency (4), prefetch (4), ack_concurrency
-(8), max_attempts (3, botocore's), addressing_style ("path" with an endpoint_url, else
-"auto"), keep_payloads (False). Credentials: the standard AWS chain (`profile`) or
+(8), max_attempts (3, botocore's, per call), retry_s (= timeout_s: how long one operation
+retries transient failures), connect_timeout_s (timeout_s / 4, within 1..10 s),
+read_timeout_s (timeout_s, at most 60 s), addressing_style ("path" with an endpoint_url,
+else "auto"), keep_payloads (False). Credentials: the standard AWS chain (`profile`) or
 access_key / secret_key / session_token (see `s3_store`); never logged.
 Cost: an idle receiver sends one LIST per `poll_s` (two before its first begin).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -89,8 +106,9 @@ DEFAULTS = {
     "endpoint_url": None, "region": None, "prefix": "nemo-dcr", "timeout_s": 120.0, "poll_s": 0.05,
     "max_in_flight_bytes": 256 * MiB, "part_size": 64 * MiB, "multipart_threshold": None,
     "upload_concurrency": 4, "prefetch": 4, "ack_concurrency": 8, "max_attempts": 3, "addressing_style": None,
-    "keep_payloads": False,
+    "keep_payloads": False, "retry_s": None, "connect_timeout_s": None, "read_timeout_s": None,
 }
+_REMEMBERED = 4096  # control keys a receiver remembers having handled
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
@@ -128,7 +146,9 @@ class S3Transport(Transport):
         # The bucket and how to reach it; every end opens its own ObjectStore (one client) on it.
         self.s3 = S3Bucket(c, timeout_s=self.timeout_s, part_size=self.part_size,
                            multipart_threshold=self.multipart_threshold, upload_concurrency=self.upload_concurrency,
-                           pool_connections=max(10, self.upload_concurrency + self.prefetch + self.ack_concurrency))
+                           pool_connections=max(10, self.upload_concurrency + self.prefetch + self.ack_concurrency),
+                           retry_s=c["retry_s"], connect_timeout_s=c["connect_timeout_s"],
+                           read_timeout_s=c["read_timeout_s"])
         self.where = self.s3.where
 
     def __repr__(self):  # never shows credentials
@@ -320,6 +340,7 @@ class _S3Receiver(ReceiverEnd):
         self.store = ObjectStore(t.s3)
         self.inbox = t.key("control", receiver_id) + "/"
         self.consumed: set[str] = set()  # control keys handled, possibly not yet gone from listings
+        self.handled: OrderedDict[str, str] = OrderedDict()  # control key -> digest of the message handled
         self.items: deque = deque()  # Event | _Fetch, in delivery order
         self.open: dict[str, _Open] = {}
         self.closed: set[str] = set()  # transfers committed, aborted or superseded
@@ -327,7 +348,6 @@ class _S3Receiver(ReceiverEnd):
         self.fetcher = ThreadPoolExecutor(max(1, t.prefetch), thread_name_prefix=f"s3-{receiver_id}-get")
         self.acker = ThreadPoolExecutor(t.ack_concurrency, thread_name_prefix=f"s3-{receiver_id}-ack")
         self.acks: list[Future] = []
-        self.failing_since: float | None = None
         self.presence = t.key("receivers", f"{receiver_id}.json")
         self.store.put(self.presence, dumps({"kind": "receiver", "receiver": receiver_id}))
 
@@ -338,7 +358,7 @@ class _S3Receiver(ReceiverEnd):
                 event = self._next()
                 if event is not None:
                     return event
-            self._sync()
+            self._sync()  # the store retries blips; a store failing for retry_s raises here
             if self.items:
                 continue
             left = deadline - time.monotonic()
@@ -347,26 +367,16 @@ class _S3Receiver(ReceiverEnd):
             time.sleep(min(self.t.poll_s, left))
 
     def _sync(self) -> None:
-        try:
-            self._sync_once()
-            self.failing_since = None
-        except TransportError:
-            # A blip must not stop the receiver; a store gone for timeout_s must.
-            now = time.monotonic()
-            self.failing_since = self.failing_since or now
-            if now - self.failing_since >= self.t.timeout_s:
-                raise
-
-    def _sync_once(self) -> None:
         listed = [k for k, _ in self.store.list(self.inbox)]
         self.consumed &= set(listed)
         new = sorted(k for k in listed if k not in self.consumed)
         for key in new:
             msg = self.store.get_json(key)
             self.consumed.add(key)
-            if msg is not None:
-                self._track(msg)
-                self.items.append(Event(msg["kind"], msg))
+            if msg is None or not self._first_time(key, msg):
+                continue
+            self._track(msg)
+            self.items.append(Event(msg["kind"], msg))
         self.store.discard(new)  # if that fails, `consumed` keeps them from being handled twice
         if not self.begun:  # no coordinator has spoken: find transfers by their producers' markers
             base = self.t.key("active") + "/"
@@ -381,6 +391,17 @@ class _S3Receiver(ReceiverEnd):
             if not o.complete:
                 self._discover(o)
         self._prefetch()
+
+    def _first_time(self, key: str, msg: dict) -> bool:
+        """False for a message handled before under this key (brought back by a retried write)."""
+        digest = hashlib.sha256(json.dumps(msg, sort_keys=True, default=str).encode()).hexdigest()
+        if self.handled.get(key) == digest:
+            return False
+        self.handled[key] = digest
+        self.handled.move_to_end(key)
+        while len(self.handled) > _REMEMBERED:
+            self.handled.popitem(last=False)
+        return True
 
     def _track(self, msg: dict) -> None:
         kind, tid = msg["kind"], msg.get("transfer_id")
@@ -438,7 +459,8 @@ class _S3Receiver(ReceiverEnd):
             data = item.future.result() if item.future is not None else self.store.get(item.meta["key"])
         except Missing:
             return None  # deleted after listing: its transfer was aborted or cleaned up
-        except TransportError as e:  # checksum failure: the receiver rejects it, naming the object
+        except TransportError as e:  # checksum failure, or a store that stayed unreadable for retry_s:
+            # the receiver rejects it, naming the object (the transfer fails; nothing is applied from it)
             return Event("payload", {**item.meta, "error": str(e)}, None)
         finally:
             self._prefetch()
@@ -558,13 +580,20 @@ class S3CommitLog(CommitLog):
     def write(self, info: TransferInfo, extra: dict) -> None:
         key = f"{self.base}v{info.target_version:08d}.json"
         where = f"s3://{self.t.bucket}/{key}"
+        body = self.record(info, extra)  # made once: every retry must send these very bytes
         if self.store.exists(key):  # stores that ignore If-None-Match still cannot overwrite in sequence
             raise AlreadyCommitted(where)
         deadline = time.monotonic() + self.t.timeout_s
         while True:
             try:
-                return self.store.put(key, self.record(info, extra), if_none_match=True)
+                return self.store.put(key, body, if_none_match=True)
             except Exists:
+                # Also the answer to a retry whose first try landed: then the record is ours.
+                try:
+                    if self.store.get(key) == body:
+                        return
+                except Missing:
+                    pass
                 raise AlreadyCommitted(where) from None
             except Conflict:  # another conditional write of this key is in progress: its outcome decides
                 if time.monotonic() >= deadline:
