@@ -173,6 +173,10 @@ class Coordinator:
                 self.log.write(info, {"receivers": sorted(replies)})
             except AlreadyCommitted:
                 reasons.append(f"version {info.target_version} was already committed by another coordinator")
+            except TransportError as e:
+                # The write may have landed before the error: the log itself says whether it did.
+                if not self._committed_anyway(info):
+                    reasons.append(f"writing the commit record of version {info.target_version} failed: {e}")
         if reasons:
             if final:
                 self.abort(info, "; ".join(reasons))
@@ -181,6 +185,14 @@ class Coordinator:
         self._broadcast("commit", {"transfer_id": info.transfer_id, "version": self.version})
         self.times["commit"] = time.perf_counter() - t
         return Decision(info.transfer_id, True, self.version, [], replies)
+
+    def _committed_anyway(self, info: TransferInfo) -> bool:
+        try:
+            return self.log.latest() >= info.target_version
+        except TransportError as e:
+            raise TransportError(f"the commit record of version {info.target_version} may or may not have been "
+                                 f"written, and the commit log cannot be read to tell ({e}): stop, and restart "
+                                 f"the trainer once the log is reachable (it resumes from what the log says)") from e
 
     def abort(self, info: TransferInfo, reason: str) -> None:
         try:

@@ -27,7 +27,7 @@ from nemo_dcr import codec
 from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import check, sign
 from nemo_dcr.catchup import catch_up
-from nemo_dcr.errors import DCRError, PayloadRejected
+from nemo_dcr.errors import DCRError, PayloadRejected, TransportError
 from nemo_dcr.history import open_history
 from nemo_dcr.records import Op, Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
@@ -120,7 +120,12 @@ class Receiver:
 
     def serve_forever(self, poll_s: float = 0.5) -> None:
         while True:
-            event = self.end.poll(poll_s)
+            try:
+                event = self.end.poll(poll_s)
+            except TransportError as e:  # an outage of the transport: keep serving, try again
+                self.log(f"[{self.id}] transport: {e}")
+                time.sleep(poll_s)
+                continue
             if event is not None and not self.handle(event):
                 return
 
