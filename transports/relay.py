@@ -23,12 +23,27 @@ Control: the coordinator talks to every node directly (so a failed interior rela
 no one and every silent node is named); nodes reply to its `coordinator` endpoint.
 Manifests go down the tree with the data.
 
-Failures: a node gives up on a busy link (child or local receiver) without progress for
-timeout_s * (height + 1 - depth) / (height + 2): its subtree is lost for that transfer,
-the acks carry that up, and the producer raises a TransportError naming node and
-endpoint. Deeper links give up first, so the node nearest the cause is named; the producer
-waits timeout_s for the root. Delivery is at least once: a re-sent payload still in the
-tree is merged (each sender acked), later it travels again (receivers dedup by id).
+Failures and repair (the mechanics are in `relay_node`): every link down the tree, the
+producer's to the root included, is watched (ZMTP handshake and disconnect events;
+heartbeats every heartbeat_s). A busy link is given up when
+  - its peer is dead: not connected for min(reconnect_s, half the link's timeout). The
+    sender adopts the dead node's children: it connects to them and re-sends whatever
+    the dead node had not acknowledged, with the transfer's manifests, so every other
+    receiver still stages every payload. Only the dead node is lost. A dead root is the
+    producers' to repair: they fall back to its children the same way, which is why a
+    producer keeps a reference to each payload's bytes (not a copy; do not modify them)
+    until every receiver staged it.
+  - its peer is hung: connected, but no progress for timeout_s * (height + 1 - depth) /
+    (height + 2) (timeout_s for a producer's link). Its subtree is lost for that
+    transfer; deeper links give up first, so the node nearest the cause is named.
+Losses travel up in the acks. A producer's `flush` waits until every payload is staged
+or lost everywhere, then raises a TransportError naming the lost receivers and why
+(`.lost`: receiver -> payload ids, `.rejected` as flush would return it); it raises at
+once when a payload reached no receiver at all. A transfer with a lost receiver cannot
+commit (the coordinator names it too); the next transfer tries every node again, so a
+restarted node (same id and endpoint) rejoins, and a deployment can drop a node for good
+by omitting it from `nodes` everywhere. Delivery is at least once: a re-sent payload still
+in the tree is merged (each sender acked), later it travels again (receivers dedup by id).
 Payloads travel as raw frames, control as JSON; nothing is pickled.
 
 Security: with `curve_secret_env` (the name of an environment variable holding a Z85
@@ -38,8 +53,9 @@ the same key pair, so nobody without the secret can read payloads or inject cont
 messages. Without it, binding an endpoint that is not on loopback logs a warning.
 
 Configuration: nodes, fanout (2), coordinator (tcp endpoint), coordinator_bind,
-timeout_s (120), max_in_flight_bytes (256 MiB, per producer), window_bytes (64 MiB) and
-window_payloads (256) per link, hwm (1024), local_queue (64), curve_secret_env (none).
+timeout_s (120), reconnect_s (1), heartbeat_s (5; 0: off), max_in_flight_bytes (256 MiB,
+per producer), window_bytes (64 MiB) and window_payloads (256) per link, hwm (1024),
+local_queue (64), curve_secret_env (none).
 """
 
 from __future__ import annotations
@@ -54,12 +70,15 @@ import zmq
 
 from nemo_dcr.errors import TransportError
 from nemo_dcr.transport import CoordinatorEnd, ProducerEnd, ReceiverEnd, Transport, dumps, loads
-from nemo_dcr.transports.relay_node import RelayNode, bind_server, dealer, trim, zsocket
+from nemo_dcr.transports.relay_node import Entry, Fanout, RelayNode, bind_server, dealer, trim, zsocket
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = {"fanout": 2, "timeout_s": 120.0, "max_in_flight_bytes": 256 << 20, "window_bytes": 64 << 20,
-            "window_payloads": 256, "hwm": 1024, "local_queue": 64}
+MANIFEST = "(manifest)"  # stands for the manifest where a producer records what a receiver did not get
+
+DEFAULTS = {"fanout": 2, "timeout_s": 120.0, "reconnect_s": 1.0, "heartbeat_s": 5.0,
+            "max_in_flight_bytes": 256 << 20, "window_bytes": 64 << 20, "window_payloads": 256, "hwm": 1024,
+            "local_queue": 64}
 
 
 class RelayTransport(Transport):
@@ -82,11 +101,14 @@ class RelayTransport(Transport):
         if receivers and sorted(receivers) != sorted(self.ids):
             raise ValueError(f"relay transport: receivers {sorted(receivers)} are not the nodes {sorted(self.ids)}")
         super().__init__(cfg, receivers=list(receivers or self.ids))
-        for key in ("fanout", "timeout_s", "max_in_flight_bytes", "window_bytes", "window_payloads", "hwm",
-                    "local_queue"):
+        for key in ("fanout", "timeout_s", "reconnect_s", "max_in_flight_bytes", "window_bytes", "window_payloads",
+                    "hwm", "local_queue"):
             if not float(cfg[key]) > 0:
                 raise ValueError(f"relay transport: {key} must be > 0, got {cfg[key]!r}")
+        if not float(cfg["heartbeat_s"]) >= 0:
+            raise ValueError(f"relay transport: heartbeat_s must be >= 0 (0: none), got {cfg['heartbeat_s']!r}")
         self.fanout, self.timeout_s = int(cfg["fanout"]), float(cfg["timeout_s"])
+        self.reconnect_s, self.heartbeat_s = float(cfg["reconnect_s"]), float(cfg["heartbeat_s"])
         self.max_in_flight = int(cfg["max_in_flight_bytes"])
         self.window_bytes, self.window_payloads = int(cfg["window_bytes"]), int(cfg["window_payloads"])
         self.hwm, self.local_queue = int(cfg["hwm"]), int(cfg["local_queue"])
@@ -189,85 +211,119 @@ def curve_keys(env_var: str | None) -> tuple[bytes, bytes] | None:
 # --- producer --------------------------------------------------------------------------
 
 class _Producer(ProducerEnd):
+    """Sends each payload once, to the root (while the root is dead, to its children), and
+    keeps it until every receiver staged it or was lost, to re-send it where the tree is
+    repaired. Its links are a `Fanout` with the root as the only root, driven from the
+    calling thread (`_turn`)."""
+
     def __init__(self, t: RelayTransport, producer_id: str):
         self.t, self.id = t, producer_id
         self.ctx = zmq.Context()
-        self.sock = dealer(self.ctx, t, f"producer:{producer_id}", t.endpoint(0))
-        self.sock.setsockopt(zmq.SNDTIMEO, int(t.timeout_s * 1000))
+        self.poller = zmq.Poller()
+        self.entries: dict[tuple[str, str, str], Entry] = {}
+        self.stats = {"peak_link_bytes": 0, "lost": 0, "adopted": 0, "resent": 0}
+        self.links = Fanout(t, self.ctx, self.poller, f"producer:{producer_id}", [0], t.timeout_s, self.entries,
+                            self._done, self.stats, window_bytes=t.max_in_flight, window_payloads=t.window_payloads,
+                            missed=self._missed)
         self.in_flight: dict[tuple[str, str], int] = {}  # (transfer, payload) -> bytes, not yet staged everywhere
         self.in_flight_bytes = 0
         self.rejected: dict[str, dict[str, dict[str, str]]] = {}  # transfer -> receiver -> payload -> why
+        self.lost: dict[str, dict[str, dict[str, str]]] = {}  # transfer -> receiver -> payload or MANIFEST -> why
+        self._error: str | None = None  # why the transfer cannot go on; raised by the next _turn
 
     def send(self, transfer, payload_id, data):
-        self._drain()
+        tid = transfer.transfer_id
+        self._turn(0)
         while self.in_flight and (self.in_flight_bytes + len(data) > self.t.max_in_flight
                                   or len(self.in_flight) >= self.t.window_payloads):
-            self._wait_ack(transfer.transfer_id)  # back-pressure: the slowest node sets the pace
-        head = dumps({"kind": "payload", "transfer_id": transfer.transfer_id, "producer_id": self.id,
+            self._turn(0.05)  # back-pressure: the slowest node sets the pace
+        if (tid, payload_id) in self.in_flight:
+            return  # a retry of a payload still on its way: it arrives at least once anyway
+        head = dumps({"kind": "payload", "transfer_id": tid, "producer_id": self.id,
                       "payload_id": payload_id, "size": len(data)})
-        self._send([head, data], f"payload {payload_id}")
-        key = (transfer.transfer_id, payload_id)
-        if key not in self.in_flight:  # a retry under the same id is one payload in flight
-            self.in_flight[key] = len(data)
-            self.in_flight_bytes += len(data)
+        entry = Entry((tid, self.id, payload_id), head, data, len(data), [])
+        self.entries[entry.key] = entry
+        self.in_flight[(tid, payload_id)] = len(data)
+        self.in_flight_bytes += len(data)
+        self.links.add(entry)
+        self._done(entry)  # settled at once if every node is given up for this transfer
+        self.links.pump()
+        while entry.key in self.entries and not entry.handed:  # until a relay took it, or none can
+            self._turn(0.05)
+        if self._error is not None:
+            self._fail(self._error)
 
     def flush(self, transfer, payload_ids):
-        self._send([dumps({"kind": "manifest", "transfer_id": transfer.transfer_id, "producer_id": self.id,
-                           "payload_ids": list(payload_ids)})], "the manifest")
-        while self.in_flight:
-            self._wait_ack(transfer.transfer_id)
-        return self.rejected.pop(transfer.transfer_id, {})
+        tid = transfer.transfer_id
+        self.links.manifest(tid, dumps({"kind": "manifest", "transfer_id": tid, "producer_id": self.id,
+                                        "payload_ids": list(payload_ids)}))
+        while self.in_flight or self.links.holds_manifest(tid):
+            self._turn(0.05)
+        rejected, lost = self.rejected.pop(tid, {}), self.lost.pop(tid, None)
+        if lost:
+            raise self._lost_error(tid, lost, rejected)
+        return rejected
 
-    def _send(self, frames: list, what: str) -> None:
-        try:
-            self.sock.send_multipart(frames, copy=False)
-        except zmq.Again:
-            self._fail(f"relay transport: {self.t.who(0)} did not accept {what} within {self.t.timeout_s:.0f} s "
-                       f"(not running or unreachable)")
+    def _turn(self, timeout_s: float) -> None:
+        """Send what the links take, read acks and connection events, give up stalled links."""
+        self.links.pump()
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        self.links.handle(ready)
+        self.links.check(time.monotonic())
+        self.links.pump()
+        if self._error is not None:
+            self._fail(self._error)
+
+    def _done(self, entry: Entry) -> None:
+        """An entry's link answered or was given up; once all did, record the outcome."""
+        if entry.waiting or self.entries.get(entry.key) is not entry:
+            return
+        del self.entries[entry.key]
+        tid, _, pid = entry.key
+        self.in_flight_bytes -= self.in_flight.pop((tid, pid), 0)
+        for rx, why in entry.rejected.items():
+            self.rejected.setdefault(tid, {}).setdefault(rx, {})[pid] = why
+        for rx, why in entry.lost.items():
+            self.lost.setdefault(tid, {}).setdefault(rx, {})[pid] = why
+        trim(self.rejected)
+        trim(self.lost)
+        answered = entry.staged + len(entry.rejected) + len(entry.lost)
+        if entry.lost and not entry.staged and not entry.rejected:  # it reached no one: the transfer is over
+            self._error = str(self._lost_error(tid, self.lost.pop(tid), self.rejected.pop(tid, {})))
+        elif answered != len(self.t.nodes):
+            self._error = (f"relay transport: the ack of payload {pid} accounts for {answered} of "
+                           f"{len(self.t.nodes)} receivers: do all nodes share this 'nodes' configuration?")
+
+    def _missed(self, transfer: str, lost: dict[str, str]) -> None:
+        for rx, why in lost.items():
+            self.lost.setdefault(transfer, {}).setdefault(rx, {}).setdefault(MANIFEST, why)
+
+    def _lost_error(self, tid: str, lost: dict, rejected: dict) -> TransportError:
+        pids = sorted({pid for d in lost.values() for pid in d if pid != MANIFEST})
+        what = f"{len(pids)} payload(s)"
+        if any(MANIFEST in d for d in lost.values()):
+            what = f"{what} or get the manifest" if pids else "get the manifest"
+        reasons = sorted({why for d in lost.values() for why in d.values()})
+        e = TransportError(f"relay transport: receivers {sorted(lost)} did not stage {what} of transfer {tid}: "
+                           + "; ".join(reasons))
+        e.lost = {rx: sorted(d) for rx, d in lost.items()}  # receiver -> payload ids (and MANIFEST)
+        e.rejected = rejected  # what flush would have returned
+        return e
 
     def _fail(self, message: str):
         # The transfer is lost; forget it so the next one starts with an empty window
         # (late acks of this one are ignored as stale).
+        self._error = None
+        self.entries.clear()
+        self.links.reset()
         self.in_flight.clear()
         self.in_flight_bytes = 0
         raise TransportError(message)
 
-    def _wait_ack(self, transfer_id: str) -> None:
-        if not self.sock.poll(int(self.t.timeout_s * 1000)):
-            self._fail(f"relay transport: {self.t.who(0)} acknowledged none of {len(self.in_flight)} payload(s) "
-                       f"of transfer {transfer_id} within {self.t.timeout_s:.0f} s")
-        self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                msg = loads(self.sock.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            except TransportError as e:
-                log.warning("producer %s: %s", self.id, e)
-                continue
-            tid, pid = msg.get("transfer_id"), msg.get("payload_id")
-            size = self.in_flight.pop((tid, pid), None) if msg.get("kind") == "ack" else None
-            if size is None:
-                continue  # stale or duplicate acknowledgement
-            self.in_flight_bytes -= size
-            for rx, why in (msg.get("rejected") or {}).items():
-                self.rejected.setdefault(tid, {}).setdefault(rx, {})[pid] = why
-            lost = msg.get("lost") or {}
-            if lost:
-                self.rejected.pop(tid, None)
-                self._fail(f"relay transport: receivers {sorted(lost)} did not stage payload {pid} of transfer "
-                           f"{tid}: " + "; ".join(sorted(set(lost.values()))))
-            answered = int(msg.get("staged") or 0) + len(msg.get("rejected") or {})
-            if answered != len(self.t.nodes):
-                self._fail(f"relay transport: the ack of payload {pid} accounts for {answered} of "
-                           f"{len(self.t.nodes)} receivers: do all nodes share this 'nodes' configuration?")
-            trim(self.rejected)
-
     def close(self):
         self.in_flight.clear()
-        self.sock.close(0)
+        self.entries.clear()
+        self.links.close()
         self.ctx.term()
 
 

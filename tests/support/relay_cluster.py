@@ -7,8 +7,10 @@ Two kinds of node process:
     relay --transport-config JSON --id rxK` (a Hugging Face model refitted in place).
 
 Every process runs in its own session and is killed (with its group) on exit from the
-context manager if it has not ended by then; `stop()` asks the nodes to shut down
-through the coordinator and checks that each one exited 0.
+context manager if it has not ended by then; `shutdown()` asks the nodes to shut down
+through the coordinator (`wait()` gives the exit codes). For repair tests a single node
+can be killed or signalled (`kill_node`, `signal_node`) and started again with the same
+id and endpoint (`restart_node`).
 """
 
 from __future__ import annotations
@@ -62,16 +64,49 @@ class RelayCluster:
                 "--transport-config", cfg, "--id", rx]
 
     def start(self, ready_timeout: float = 60.0) -> RelayCluster:
-        for i, rx in enumerate(self.ids):
-            if i in self.absent:
-                continue
-            self.logs[rx] = self.workdir / f"{rx}.log"
-            with open(self.logs[rx], "wb") as log:
-                self.procs[rx] = subprocess.Popen(self.command(i), cwd=REPO, env=worker_env(), stdout=log,
-                                                  stderr=subprocess.STDOUT, start_new_session=True)
+        for i in range(len(self.ids)):
+            if i not in self.absent:
+                self._launch(i, self.workdir / f"{self.ids[i]}.log")
+        self._wait_ready(set(self.procs), ready_timeout)
+        return self
+
+    def _launch(self, i: int, log_path: Path) -> None:
+        rx = self.ids[i]
+        self.logs[rx] = log_path
+        with open(log_path, "wb") as log:
+            self.procs[rx] = subprocess.Popen(self.command(i), cwd=REPO, env=worker_env(), stdout=log,
+                                              stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL node i (with its process group) and wait until it is gone."""
+        p = self.procs[self.ids[i]]
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(20)
+
+    def signal_node(self, i: int, sig: int) -> None:
+        """Send `sig` (e.g. SIGSTOP / SIGCONT) to node i's process group."""
+        os.killpg(self.procs[self.ids[i]].pid, sig)
+
+    def restart_node(self, i: int, ready_timeout: float = 30.0, args: list[str] | None = None) -> None:
+        """Start node i again, same id and endpoint (after it ended), with `args` instead of
+        its `node_args` if given; a new log file; returns once it is ready."""
+        rx = self.ids[i]
+        old = self.procs.get(rx)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"node {rx} is still running (pid {old.pid}); kill it first")
+        if args is not None:
+            self.node_args[i] = list(args)
+        n = sum(1 for p in self.workdir.glob(f"{rx}.*.log")) + 1
+        self._launch(i, self.workdir / f"{rx}.{n}.log")
+        self._wait_ready({rx}, ready_timeout)
+
+    def _wait_ready(self, waiting: set[str], ready_timeout: float) -> None:
         marker = "READY" if self.checkpoint is None else "serving version 0"
         deadline = time.monotonic() + ready_timeout
-        waiting = set(self.procs)
+        waiting = set(waiting)
         while waiting:
             for rx in sorted(waiting):
                 if marker in self.log(rx):
@@ -81,7 +116,6 @@ class RelayCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nodes {sorted(waiting)} not ready in {ready_timeout} s")
             time.sleep(0.05)
-        return self
 
     def log(self, rx: str) -> str:
         try:
