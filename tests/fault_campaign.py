@@ -92,6 +92,8 @@ class Env:
         self.runtimes: dict[str, FaultyRuntime] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.kills: dict[str, threading.Event] = {}
+        self.started_at: dict[str, float] = {}
+        self.commit_seen_at = 0.0
         self.restarts = 0
         for rx in self.ids:
             self._start(rx)
@@ -114,6 +116,7 @@ class Env:
         model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.bfloat16)
         rt = self.runtimes[rx] = FaultyRuntime(HFRuntime(model, checkpoint_dir=self.checkpoint))
         r = self.receivers[rx] = Receiver(rx, rt, self.transport.receiver(rx), key=KEY, history=self.history)
+        self.started_at[rx] = time.monotonic()
         stop = self.kills[rx] = threading.Event()
         t = self.threads[rx] = threading.Thread(target=_serve, args=(r, stop), daemon=True)
         t.start()
@@ -144,13 +147,18 @@ class Env:
     def expected(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items() if k != "lm_head.weight"}
 
-    def wait_serving(self, version: int, timeout_s: float = 10.0) -> bool:
+    def wait_serving(self, version: int, timeout_s: float = 10.0) -> list[str]:
+        """Wait until every receiver serves `version`, or is a restarted process that came
+        up after the commit (it serves an older version and catches up at the next begin).
+        Returns the latter."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(r.serving_version == version for r in self.receivers.values()):
-                return True
+        while True:
+            behind = [rx for rx, r in self.receivers.items() if r.serving_version != version]
+            late = [rx for rx in behind if self.receivers[rx].serving_version < version
+                    and self.started_at[rx] > self.commit_seen_at]
+            if len(late) == len(behind) or time.monotonic() > deadline:
+                return behind
             time.sleep(0.02)
-        return False
 
     def close(self) -> None:
         self.stop.set()
@@ -261,11 +269,14 @@ def run(refits: int, transports: list[str], seed: int, workdir: Path, log=print,
             try:
                 result = env.refit.refit()
                 out.attempts = result.attempts
-                if not env.wait_serving(result.decision.version, timeout_s=30.0):
-                    # Bits are applied; a receiver that missed the commit message adopts it at the next begin.
-                    out.reason = "a receiver had not seen the commit message after 30 s"
+                env.commit_seen_at = time.monotonic()
+                behind = env.wait_serving(result.decision.version, timeout_s=30.0)
+                if behind:
+                    # Restarted after the commit (fresh weights, older version: it catches up at the next
+                    # begin), or not yet told of the commit (it adopts it at the next begin).
+                    out.reason = f"behind the commit, caught up by the next refit: {behind}"
                 bad = {rx: bit_mismatches(env.expected(), r.runtime.canonical_state())
-                       for rx, r in env.receivers.items()}
+                       for rx, r in env.receivers.items() if r.serving_version == result.decision.version}
                 bad = {rx: b for rx, b in bad.items() if b}
                 if bad:
                     out.result, out.reason = "silent_mismatch", json.dumps(bad)[:500]
