@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -16,9 +17,31 @@ TORCHRUN_TIMEOUT_S = 240
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on loopback, below the kernel's ephemeral range: a port that peers
+    keep reconnecting to while its node is down must not become some socket's ephemeral
+    port (or a self-connect of the reconnecting socket), or the restarted node cannot bind
+    it again."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = _PORTS.randrange(10000, low) if low > 12000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free TCP port on 127.0.0.1 below the ephemeral range")
+
+
+_PORTS = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def worker_env() -> dict:
