@@ -1,7 +1,6 @@
 """Catch-up from the refit history: anchors plus committed deltas, replayed exactly once
 and in order, gaps and pruned links reported before any write. Real HF receivers, a
-trainer over the local transport, a history directory (the S3 history is exercised in
-tests/test_s3_refit.py)."""
+trainer over the local transport, a history in a directory or in an S3 bucket (moto)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,23 @@ def _refits(s: Setup, n: int) -> None:
         assert s.refit.refit().decision.committed
 
 
-def test_history_replays_deltas_and_anchors_with_pruning(checkpoint, tmp_path):
-    hist = DirectoryHistory(tmp_path / "history")
+@pytest.fixture(params=["directory", "s3"])
+def history(request, tmp_path):
+    if request.param == "directory":
+        yield DirectoryHistory(tmp_path / "history")
+        return
+    from nemo_dcr.history import S3History
+    from tests.support.transports import open_transport
+
+    bucket = open_transport("s3", tmp_path, ["unused"])  # only its bucket: the refits go over "local"
+    hist = S3History(bucket)
+    yield hist
+    hist.close()
+    bucket.cleanup()
+
+
+def test_history_replays_deltas_and_anchors_with_pruning(checkpoint, tmp_path, history):
+    hist = history
     s = Setup(checkpoint, tmp_path, n_receivers=1, key=KEY,
               refit_kw={"history": hist, "anchor_every": 2, "keep_anchors": 2})
     try:
