@@ -49,3 +49,17 @@ def test_trainer_speed_benchmark_smoke(tmp_path):
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
         assert {"diff_gbs", "place_gbs", "encode_gbs", "ratio_to_memcpy", "wire_bytes"} <= row.keys()
         assert row["op"] in ("xor", "auto")
+
+
+def test_scaling_benchmark_smoke(tmp_path):
+    res = _run(["benchmarks/scaling.py"], tmp_path, "scaling")
+    assert res["benchmark"] == "scaling" and res["links"] and "dense_reference" in res
+    for link in res["links"]:
+        sizes, rates = link["size_sweep"]["rows"], link["rate_sweep"]["rows"]
+        assert len(sizes) >= 2 and len(rates) >= 2 and "crossover_rate" in link["rate_sweep"]
+        for row in sizes + rates:
+            assert row["bit_exact"] and row["dense_bit_exact"]
+            assert row["changed_elements"] > 0 and row["scanned_bytes"] == row["dense_bytes"] > 0
+            assert row["wire_bytes"] > 0 and row["refit_s"] > 0 and row["dense_s"] > 0 and row["verify_s"] >= 0
+            assert {"producer_diff", "producer_encode", "producer_transfer", "receiver_apply"} <= row["stages"].keys()
+            assert row["ratio_delta_over_dense"] == row["refit_s"] / row["dense_s"]
