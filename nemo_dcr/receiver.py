@@ -280,7 +280,7 @@ class Receiver:
                 try:
                     undo = self.runtime.apply(records)
                 except Exception as e:  # noqa: BLE001 - any failure leaves this payload uncertain
-                    return self._reply_applied(cur, f"apply of payload {pid} failed: {type(e).__name__}: {e}")
+                    return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
                 lin.finished[pid] = undo
                 if readback:  # what the runtime holds now at the records' positions (outside the pause)
                     r0 = time.perf_counter()

@@ -82,8 +82,8 @@ class DCRPolicyRefit:
         if coordinator is not None:  # remember the transfer in flight, to abort it after any failure
             new_transfer = coordinator.new_transfer
 
-            def remember(producers):
-                self._last_transfer = new_transfer(producers)
+            def remember(producers, **kwargs):
+                self._last_transfer = new_transfer(producers, **kwargs)
                 return self._last_transfer
 
             coordinator.new_transfer = remember
