@@ -70,7 +70,7 @@ class DCRSettings:
     timeout_s: float = 300.0
     max_payload_elements: int = 1 << 20
     metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
-    max_attempts: int = 3  # tries of one transfer (retries are in place, as overwrites)
+    max_attempts: int = 1  # tries of one transfer (retries are in place, as overwrites); see docs/nemo-rl.md
     readback: bool = False  # receivers read applied regions back; checked before the commit
     history: str | None = None  # a directory or "s3": deltas and anchors for catch-up (None: off)
     anchor_every: int = 0
@@ -174,7 +174,7 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
                                      or not 1 <= metrics_port <= 65535):
         problems.append(f"{PATH}.metrics_port must be a TCP port number (1-65535), got {metrics_port!r}")
         metrics_port = None
-    max_attempts = checker.positive(cfg, "max_attempts", 3, int)
+    max_attempts = checker.positive(cfg, "max_attempts", 1, int)
     readback = cfg.get("readback", False)
     if not isinstance(readback, bool):
         problems.append(f"{PATH}.readback must be true or false, got {readback!r}")
