@@ -31,48 +31,27 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
+from tests.support.launch import free_port  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
+NOT_ROOT = "e2e_link: shaping needs root (ip netns, tc); run with sudo, or --no-shape"
 
 
 def log(msg: str) -> None:
     print(f"[e2e] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- outside the namespace ----------------------------------------------------------------
-
-def run_shaped(args, argv: list[str]) -> int:
-    """Create the namespace, shape its loopback, run this script inside it, clean up."""
-    if os.geteuid() != 0:
-        raise SystemExit("e2e_link: shaping needs root (ip netns, tc); run with sudo, or --no-shape")
-    ns = f"nemo-dcr-e2e-{os.getpid()}"
-    burst = max(64 * 1024, int(args.mbit * 1e6 / 8 / 250))  # at least one timer tick of data
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{args.mbit}mbit",
-                        "burst", str(burst), "latency", "50ms"], check=True)
-        log(f"namespace {ns}: loopback shaped to {args.mbit} Mbit/s (tbf, burst {burst} B)")
-        return subprocess.call(["ip", "netns", "exec", ns, sys.executable, __file__, *argv, "--inside"])
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-
 
 # --- inside -------------------------------------------------------------------------------
 
@@ -127,35 +106,6 @@ def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": params * 2},
                                                                      "weight_map": index}))
     return params
-
-
-def measure_link(nbytes: int) -> float:
-    """Bits per second of one TCP stream over loopback (the shaped link)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    port = srv.getsockname()[1]
-    got = []
-
-    def sink():
-        conn, _ = srv.accept()
-        n = 0
-        while chunk := conn.recv(1 << 20):
-            n += len(chunk)
-        got.append(n)
-        conn.close()
-
-    th = threading.Thread(target=sink)
-    th.start()
-    block = os.urandom(1 << 20)
-    t = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as c:
-        for _ in range(nbytes >> 20):
-            c.sendall(block)
-    th.join()
-    seconds = time.perf_counter() - t
-    srv.close()
-    return got[0] * 8 / seconds
 
 
 def memcpy_gbs() -> float:
@@ -384,7 +334,7 @@ def main(argv=None) -> int:
         args.hidden, args.layers, args.vocab, args.link_probe_mb = 128, 2, 512, 8
     if args.inside or args.no_shape:
         return inside(args)
-    return run_shaped(args, argv)
+    return run_shaped(__file__, argv, args.mbit, log, NOT_ROOT)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -65,22 +64,20 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
+from tests.support.launch import free_port  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 CHUNK = 2 << 20  # BF16 elements per dense payload (4 MiB)
 SEED = 1234
 DEFAULT_OUT = str(REPO / "benchmarks" / "results" / "scaling.json")
+NOT_ROOT = "scaling: a shaped link (relay@MBIT) needs root (ip netns, tc); or drop it from --links"
 
 
 def log(msg: str) -> None:
     print(f"[scaling] {msg}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -417,36 +414,6 @@ def parse_links(spec: str) -> list[dict]:
     return links
 
 
-def measure_link(nbytes: int) -> float:
-    """Bits per second of one TCP stream over the loopback (the shaped link)."""
-    import threading
-
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    got = []
-
-    def sink():
-        conn, _ = srv.accept()
-        n = 0
-        while chunk := conn.recv(1 << 20):
-            n += len(chunk)
-        got.append(n)
-        conn.close()
-
-    th = threading.Thread(target=sink)
-    th.start()
-    block = os.urandom(1 << 20)
-    t = time.perf_counter()
-    with socket.create_connection(srv.getsockname()) as c:
-        for _ in range(nbytes >> 20):
-            c.sendall(block)
-    th.join()
-    seconds = time.perf_counter() - t
-    srv.close()
-    return got[0] * 8 / seconds
-
-
 def run(args) -> int:
     import torch.distributed as dist
 
@@ -628,23 +595,6 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_shaped(args, argv: list[str]) -> int:
-    """Create a network namespace, shape its loopback with tc tbf, run this script inside it."""
-    if os.geteuid() != 0:
-        raise SystemExit("scaling: a shaped link (relay@MBIT) needs root (ip netns, tc); or drop it from --links")
-    ns = f"nemo-dcr-scaling-{os.getpid()}"
-    burst = max(64 * 1024, int(args.mbit * 1e6 / 8 / 250))
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
-        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{args.mbit}mbit",
-                        "burst", str(burst), "latency", "50ms"], check=True)
-        log(f"namespace {ns}: loopback shaped to {args.mbit} Mbit/s (tbf, burst {burst} B)")
-        return subprocess.call(["ip", "netns", "exec", ns, sys.executable, __file__, *argv, "--inside"])
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-
-
 def resummarize(args) -> int:
     """Sweeps, crossovers, tables and plot again from the raw points of an earlier results file."""
     path = Path(args.resummarize)
@@ -698,7 +648,7 @@ def main(argv=None) -> int:
             args.links = "local"
     args.mbit = max(ln["mbit"] for ln in parse_links(args.links))
     if args.mbit and not args.inside:
-        return run_shaped(args, argv)
+        return run_shaped(__file__, argv, args.mbit, log, NOT_ROOT)
     return run(args)
 
 
