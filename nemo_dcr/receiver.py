@@ -173,21 +173,7 @@ class Receiver:
                                                                      info.target_version):
             self._unwind(f"superseded by transfer {info.transfer_id}")
             lin = None
-        error = None
-        if lin is None and self.history is not None and (
-                self.uncertain_state or info.base_version > self.serving_version):
-            try:
-                self.catch_up(info.base_version)
-            except (DCRError, OSError) as e:
-                self.log(f"[{self.id}] catch-up to version {info.base_version} failed: {e}")
-                error = f"receiver {self.id} could not catch up to version {info.base_version}: {e}"
-        if error:
-            pass
-        elif self.uncertain_state:
-            error = f"receiver {self.id} cannot take transfers: {self.uncertain_state}"
-        elif lin is None and info.base_version != self.serving_version:
-            error = (f"receiver {self.id} serves version {self.serving_version}, "
-                     f"transfer starts from {info.base_version}")
+        error = self._ready_for(info) if lin is None else None
         if error:
             self._reply("ready", {"transfer_id": info.transfer_id, "error": error})
             return
@@ -200,6 +186,21 @@ class Receiver:
         self.current = _Transfer(info)
         self._reply("ready", {"transfer_id": info.transfer_id, "error": None,
                               "finished": sorted(lin.finished), "uncertain": lin.uncertain})
+
+    def _ready_for(self, info: TransferInfo) -> str | None:
+        """Why a new lineage cannot start here (None when it can), after catching up
+        from the history where that helps."""
+        if self.history is not None and (self.uncertain_state or info.base_version > self.serving_version):
+            try:
+                self.catch_up(info.base_version)
+            except (DCRError, OSError) as e:
+                self.log(f"[{self.id}] catch-up to version {info.base_version} failed: {e}")
+                return f"receiver {self.id} could not catch up to version {info.base_version}: {e}"
+        if self.uncertain_state:
+            return f"receiver {self.id} cannot take transfers: {self.uncertain_state}"
+        if info.base_version != self.serving_version:
+            return f"receiver {self.id} serves version {self.serving_version}, transfer starts from {info.base_version}"
+        return None
 
     def _reply(self, kind: str, meta: dict) -> None:
         self.end.reply(kind, sign(self.key, kind, {**meta, "receiver": self.id}))
@@ -272,26 +273,29 @@ class Receiver:
         if unlisted:
             return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
         t = time.perf_counter()
-        readback = cur.info.readback and self.readback_scope != "none"
+        applied = []
         try:
             for pid in todo:  # journal: started -> apply (all or nothing per call) -> finished
-                records = [rec for rec in cur.staged[pid].records if rec.name in self.held]
+                records = [rec for rec in cur.staged.pop(pid).records if rec.name in self.held]
                 lin.started.add(pid)
                 try:
                     undo = self.runtime.apply(records)
                 except Exception as e:  # noqa: BLE001 - any failure leaves this payload uncertain
                     return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
-                lin.finished[pid] = undo
-                if readback:  # what the runtime holds now at the records' positions (outside the pause)
-                    r0 = time.perf_counter()
-                    lin.readback[pid] = read_back(self.runtime.canonical_state(), records)
-                    cur.readback_s += time.perf_counter() - r0
-                del cur.staged[pid]  # the undo log keeps what revert needs
+                lin.finished[pid] = undo  # the undo log keeps what revert needs
+                applied.append((pid, records))
         finally:
-            cur.apply_s = time.perf_counter() - t - cur.readback_s
+            cur.apply_s = time.perf_counter() - t
+        if cur.info.readback and self.readback_scope != "none":
+            # After the pause, one read of the runtime's state: payloads touch disjoint positions,
+            # so each one's regions read back now as they were right after its apply.
+            t = time.perf_counter()
+            state = self.runtime.canonical_state()
+            for pid, records in applied:
+                lin.readback[pid] = read_back(state, records)
+            cur.readback_s = time.perf_counter() - t
         cur.applied = True
         cur.applied_payloads = payload_set_digest(lin.finished)
-        cur.staged.clear()
         self._reply_applied(cur, None)
         lin.complete = True
 
