@@ -33,35 +33,49 @@ class CatchUpReport:
     seconds: float = 0.0
 
 
-def latest_version(history: History, key: bytes | None) -> int:
+class _Manifests:
+    """Manifest lookups, each read at most once (planning and replay ask for the same ones)."""
+
+    def __init__(self, history: History, key: bytes | None):
+        self.history, self.key, self.seen = history, key, {}
+
+    def __call__(self, kind: str, version: int) -> dict[str, str] | None:
+        if (kind, version) not in self.seen:
+            self.seen[kind, version] = self.history.manifest(kind, version, self.key)
+        return self.seen[kind, version]
+
+
+def latest_version(history: History, key: bytes | None, manifest=None) -> int:
     """The newest version the history can take a receiver to (complete entries only)."""
+    manifest = manifest or _Manifests(history, key)
     newest = [v for kind in (DELTAS, ANCHORS) for v in history.versions(kind)]
     for v in sorted(set(newest), reverse=True):
-        if history.manifest(DELTAS, v, key) is not None or history.manifest(ANCHORS, v, key) is not None:
+        if manifest(DELTAS, v) is not None or manifest(ANCHORS, v) is not None:
             return v
     return 0
 
 
-def plan(history: History, key: bytes | None, *, serving: int | None, target: int | None = None
-         ) -> tuple[int | None, list[int], int]:
+def plan(history: History, key: bytes | None, *, serving: int | None, target: int | None = None,
+         manifest=None) -> tuple[int | None, list[int], int]:
     """(anchor version or None, delta versions to replay in order, target version)."""
-    target = latest_version(history, key) if target is None else target
+    manifest = manifest or _Manifests(history, key)
+    target = latest_version(history, key, manifest) if target is None else target
 
     def deltas_from(v: int) -> list[int] | None:
         chain = list(range(v + 1, target + 1))
-        return chain if all(history.manifest(DELTAS, n, key) is not None for n in chain) else None
+        return chain if all(manifest(DELTAS, n) is not None for n in chain) else None
 
     if serving is not None and serving <= target:
         chain = deltas_from(serving)
         if chain is not None:
             return None, chain, target
-    anchors = [v for v in history.versions(ANCHORS) if v <= target and history.manifest(ANCHORS, v, key) is not None]
+    anchors = [v for v in history.versions(ANCHORS) if v <= target and manifest(ANCHORS, v) is not None]
     for a in reversed(anchors):
         chain = deltas_from(a)
         if chain is not None:
             return a, chain, target
     start = anchors[-1] if anchors else serving
-    gap = next((n for n in range((start or 0) + 1, target + 1) if history.manifest(DELTAS, n, key) is None), None)
+    gap = next((n for n in range((start or 0) + 1, target + 1) if manifest(DELTAS, n) is None), None)
     where = f"anchors at {anchors}" if anchors else "no complete anchor"
     raise HistoryError(f"catch-up to version {target} is impossible: the delta of version {gap} is missing "
                        f"(pruned, or never stored) and there are {where}"
@@ -75,7 +89,8 @@ def catch_up(receiver, history: History, *, target: int | None = None, log=None)
     log = log or receiver.log
     t0 = time.perf_counter()
     serving = None if receiver.uncertain_state or receiver.lineage is not None else receiver.serving_version
-    anchor, chain, target = plan(history, receiver.key, serving=serving, target=target)
+    manifest = _Manifests(history, receiver.key)
+    anchor, chain, target = plan(history, receiver.key, serving=serving, target=target, manifest=manifest)
     report = CatchUpReport(start=anchor if anchor is not None else serving, version=target, anchor=anchor,
                            deltas=chain)
     if anchor is None and not chain:
@@ -87,14 +102,13 @@ def catch_up(receiver, history: History, *, target: int | None = None, log=None)
         if anchor is not None:
             # Overwrites, applied one payload at a time (an anchor is the whole model).
             receiver.uncertain_state = f"catch-up from anchor v{anchor} did not finish"
-            for pid, tid in sorted(history.manifest(ANCHORS, anchor, receiver.key).items()):
+            for pid, tid in sorted(manifest(ANCHORS, anchor).items()):
                 _apply(receiver, history, report, ANCHORS, anchor, pid, codec.Expected(tid, anchor, anchor))
             receiver.serving_version, receiver.uncertain_state = anchor, None
         for v in chain:
-            manifest = history.manifest(DELTAS, v, receiver.key)
             # A delta is decoded whole before any of it is written: it applies only to exact v-1.
             staged = [(pid, _decode(receiver, history, report, DELTAS, v, pid, codec.Expected(tid, v - 1, v)))
-                      for pid, tid in sorted(manifest.items())]
+                      for pid, tid in sorted(manifest(DELTAS, v).items())]
             receiver.uncertain_state = f"catch-up stopped inside the delta of version {v}"
             for _, payload in staged:
                 receiver.runtime.apply([r for r in payload.records if r.name in receiver.held])

@@ -38,6 +38,10 @@ class HistoryError(DCRError):
     incomplete link, a manifest that fails its check)."""
 
 
+class HistoryMissing(HistoryError):
+    """A named blob is not in the history."""
+
+
 class History(ABC):
     """Named blobs under two folders; subclasses say where they live."""
 
@@ -46,7 +50,7 @@ class History(ABC):
 
     @abstractmethod
     def get(self, name: str) -> bytes:
-        """The blob, or HistoryError naming it when it is missing."""
+        """The blob, or HistoryMissing naming it when it is not there."""
 
     @abstractmethod
     def names(self, folder: str) -> list[str]:
@@ -78,10 +82,10 @@ class History(ABC):
         """{payload id: transfer id} of a complete entry; None when it is absent or
         incomplete; HistoryError when it is there but fails its check."""
         name = f"{self.folder(kind, version)}/manifest.json"
-        if "manifest.json" not in self.names(self.folder(kind, version)):
-            return None
         try:
             meta = json.loads(self.get(name))
+        except HistoryMissing:
+            return None
         except (ValueError, UnicodeDecodeError) as e:
             raise HistoryError(f"history: {name} is not a manifest ({e})") from None
         why = check(key, kind, meta) if isinstance(meta, dict) else "not an object"
@@ -136,7 +140,7 @@ class DirectoryHistory(History):
             with open(self._path(name), "rb") as f:
                 return f.read()
         except FileNotFoundError:
-            raise HistoryError(f"history: {name} is missing (in {self.root})") from None
+            raise HistoryMissing(f"history: {name} is missing (in {self.root})") from None
 
     def names(self, folder: str) -> list[str]:
         try:
@@ -165,7 +169,7 @@ class S3History(History):
         try:
             return self.store.get(f"{self.base}/{name}")
         except self._missing:
-            raise HistoryError(f"history: {name} is missing (in {self.store.at.where}, {self.base}/)") from None
+            raise HistoryMissing(f"history: {name} is missing (in {self.store.at.where}, {self.base}/)") from None
 
     def names(self, folder: str) -> list[str]:
         prefix = f"{self.base}/{folder}/"
