@@ -43,26 +43,13 @@ sys.path.insert(0, str(REPO))
 from nemo_dcr import dtypes, registry  # noqa: E402
 from nemo_dcr.capture import torch_owned_ranges  # noqa: E402
 from nemo_dcr.checkpoint import read_specs  # noqa: E402
+from nemo_dcr.cli import make_checkpoint  # noqa: E402
 from nemo_dcr.layout import ParallelLayout  # noqa: E402
 from nemo_dcr.receiver import Receiver  # noqa: E402
 from nemo_dcr.runtimes.hf import HFRuntime  # noqa: E402
 from nemo_dcr.trainer import TrainerRefit  # noqa: E402
 from nemo_dcr.verify import bit_mismatches  # noqa: E402
 from tests.support.faults import FaultyRuntime  # noqa: E402
-
-
-def make_checkpoint(path: Path, smoke: bool) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    if smoke:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
-    else:
-        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                          num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 class Bench:
@@ -137,7 +124,9 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
         try:
-            ckpt = make_checkpoint(tmp / "ckpt", args.smoke)
+            size = (dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=512) if args.smoke else
+                    dict(hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816, vocab=32000))
+            ckpt = make_checkpoint(tmp / "ckpt", family="llama", tied=True, **size)
             out["params"] = sum(int(torch.tensor(s).prod()) if s else 1 for _, s in read_specs(ckpt).values())
             rows = {}
             for name, kw in (("plain", {}), ("readback", {"readback": True}),

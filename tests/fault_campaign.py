@@ -46,6 +46,7 @@ import torch.distributed as dist
 from nemo_dcr import registry
 from nemo_dcr.capture import torch_owned_ranges
 from nemo_dcr.checkpoint import read_specs
+from nemo_dcr.cli import make_checkpoint
 from nemo_dcr.errors import TransferFailed
 from nemo_dcr.history import DirectoryHistory
 from nemo_dcr.layout import ParallelLayout
@@ -59,16 +60,6 @@ from tests.support.transports import open_transport
 KEY = b"campaign-key"
 COMMON = ("none", "half", "crash", "silent", "drop", "duplicate", "reorder", "corrupt", "stuck")
 EXTRA = {"local": (), "relay": ("kill_relay",), "s3": ("s3_5xx", "s3_timeout")}
-
-
-def make_checkpoint(path: Path) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 class Env:
@@ -250,7 +241,8 @@ def run(refits: int, transports: list[str], seed: int, workdir: Path, log=print,
     if schedule is not None:
         refits, transports = len(schedule), sorted({t for t, _ in schedule})
     torch.manual_seed(seed)
-    checkpoint = make_checkpoint(workdir / "ckpt")
+    checkpoint = make_checkpoint(workdir / "ckpt", family="llama", hidden=64, layers=2, heads=4, kv_heads=2,
+                                 ffn=128, vocab=300, tied=True, seed=seed)
     envs = {name: Env(name, workdir / name, checkpoint) for name in transports}
     outcomes: list[Outcome] = []
     pending_recovery: list[tuple[Outcome, float]] = []
