@@ -19,7 +19,14 @@ class ConverterError(DCRError):
 
 
 class ApplyError(DCRError):
-    """A record could not be applied through the runtime's loader (fails closed)."""
+    """A record could not be applied through the runtime's loader (fails closed).
+
+    An adapter's failed `apply` has put every bit back (the `RuntimeAdapter` contract),
+    unless `bits_unknown`: then what it wrote may stay, and only overwrites can repair it."""
+
+    def __init__(self, message: str, *, bits_unknown: bool = False):
+        super().__init__(message)
+        self.bits_unknown = bits_unknown
 
 
 class TransferFailed(DCRError):

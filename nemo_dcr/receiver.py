@@ -27,7 +27,7 @@ from nemo_dcr import codec
 from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import check, sign
 from nemo_dcr.catchup import catch_up
-from nemo_dcr.errors import DCRError, PayloadRejected, TransportError
+from nemo_dcr.errors import ApplyError, DCRError, PayloadRejected, TransportError
 from nemo_dcr.history import open_history
 from nemo_dcr.records import Op, Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
@@ -280,7 +280,9 @@ class Receiver:
                 lin.started.add(pid)
                 try:
                     undo = self.runtime.apply(records)
-                except Exception as e:  # noqa: BLE001 - any failure leaves this payload uncertain
+                except Exception as e:  # noqa: BLE001 - the adapter decides what its failure left behind
+                    if isinstance(e, ApplyError) and not e.bits_unknown:
+                        lin.started.discard(pid)  # the adapter put every bit back: not applied, not uncertain
                     return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
                 lin.finished[pid] = undo  # the undo log keeps what revert needs
                 applied.append((pid, records))

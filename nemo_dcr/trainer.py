@@ -153,6 +153,7 @@ class TrainerRefit:
         if anchor_every < 0 or keep_anchors < 1:
             raise ValueError(f"anchor_every must be >= 0 and keep_anchors >= 1, got {anchor_every}, {keep_anchors}")
         self.max_attempts, self.readback = max_attempts, readback
+        self.transfer: TransferInfo | None = None  # the latest attempt begun (what an abort must name)
         self.history = open_history(history, transport)
         self.anchor_every, self.keep_anchors, self.key = anchor_every, keep_anchors, key
         self.anchor_due = False  # a delta could not be stored: the next commit writes an anchor
@@ -247,7 +248,7 @@ class TrainerRefit:
                 problems = self.coordinator.begin(info)
                 skip = self.coordinator.finished_everywhere
             go = bcast_json({"transfer": info.to_json() if info else None, "problems": problems, "skip": skip})
-            info = TransferInfo.from_json(go["transfer"])
+            info = self.transfer = TransferInfo.from_json(go["transfer"])
             if go["problems"]:
                 decision = Decision(info.transfer_id, False, self.baseline.version, go["problems"])
                 if self.rank == 0 and final:

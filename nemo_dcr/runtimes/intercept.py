@@ -324,7 +324,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             except Exception as undo_exc:
                 raise ApplyError(
                     f"apply failed ({exc}) and reverting it failed too ({undo_exc}): "
-                    "runtime bits are inconsistent, reload from an anchor checkpoint"
+                    "runtime bits are inconsistent, reload from an anchor checkpoint", bits_unknown=True
                 ) from exc
             raise
         return log

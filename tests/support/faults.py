@@ -69,7 +69,7 @@ class FaultyRuntime(RuntimeAdapter):
         half = max(1, len(records) // 2) if records else 0
         self.inner.apply(records[:half])  # written, and never reverted
         what = f"injected: apply interrupted after {half} of {len(records)} records"
-        raise ReceiverCrash(what) if self.mode == "crash" else ApplyError(what)
+        raise ReceiverCrash(what) if self.mode == "crash" else ApplyError(what, bits_unknown=True)
 
     def revert(self, log: UndoLog) -> None:
         self.inner.revert(log)

@@ -77,16 +77,6 @@ class DCRPolicyRefit:
         self.last_result = None
         self.refits = 0
         self.failed = 0
-        self._last_transfer = None
-        coordinator = refit.coordinator
-        if coordinator is not None:  # remember the transfer in flight, to abort it after any failure
-            new_transfer = coordinator.new_transfer
-
-            def remember(producers, **kwargs):
-                self._last_transfer = new_transfer(producers, **kwargs)
-                return self._last_transfer
-
-            coordinator.new_transfer = remember
 
     @classmethod
     def from_megatron_worker(cls, settings: DCRSettings, model_chunks, optimizer, hf_config, checkpoint_dir,
@@ -161,10 +151,10 @@ class DCRPolicyRefit:
         """Rank 0: tell every receiver the transfer is over, also when it failed before the
         coordinator could abort it (a receiver not ready at begin): receivers waiting for
         it return at once instead of at their timeout. A second abort is ignored."""
-        if self.refit.coordinator is None or self._last_transfer is None:
+        if self.refit.coordinator is None or self.refit.transfer is None:
             return
         try:
-            self.refit.coordinator.abort(self._last_transfer, reason)
+            self.refit.coordinator.abort(self.refit.transfer, reason)
         except Exception as exc:  # noqa: BLE001 - best effort: receivers also time out
             self.log.warning("could not broadcast the abort: %s", exc)
 
