@@ -54,8 +54,10 @@ from .positions import (
     decode_runs,
     encode_gaps_rans,
     encode_rans,
+    encode_rans_pair,
     encode_runs,
     entropy_bits,
+    gaps_parts,
     leb128_encode,
 )
 from .records import Op, Payload, PayloadHeader, Record
@@ -164,7 +166,8 @@ class _Rejecting:
 # ======================================================================== encode
 
 
-def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto") -> bytes:
+def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto",
+           value_histograms: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None) -> bytes:
     """Serialize `payload` (format v3). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
@@ -172,6 +175,9 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
     dense: "auto" sends an xor/add record densely (every element's value, zeros
            included) when that is smaller on the wire; "never" / "always" force it
            (for benchmarks). The decoded record is the same either way.
+    value_histograms: record index -> `value_histogram(values, width)` of that record's
+           values, when the caller has it already (`choose_op_histogram`); it must be
+           exactly that, and only saves computing it again.
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
@@ -199,7 +205,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
             return {}
         return add_section(choice.frame, choice.raw_length)
 
-    for r in payload.records:
+    for index, r in enumerate(payload.records):
         where = f"record {r.name!r}"
         if not isinstance(r.name, str) or not r.name:
             raise ValueError(f"{where}: name must be a non-empty string")
@@ -220,7 +226,8 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         if vals.shape[0] != pos.shape[0]:
             raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
         count = int(pos.shape[0])
-        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where)
+        hist = value_histograms.get(index) if value_histograms else None
+        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, hist)
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
@@ -240,14 +247,11 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
     hbytes = json.dumps(header, sort_keys=True, separators=(",", ":"),
                         ensure_ascii=False).encode("utf-8")
     flags = FLAG_HMAC if key is not None else 0
-    out = bytearray(_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hbytes)))
-    out += hbytes
-    for s in sections:
-        out += s
+    out = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hbytes)), hbytes, *sections])
     out += hashlib.blake2b(out, digest_size=CHECKSUM_BYTES).digest()
     if key is not None:
         out += hmac.new(_key_bytes(key), out, hashlib.sha256).digest()
-    return bytes(out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -265,16 +269,37 @@ def _frame(encoding: str, raw: bytes, cctx: zstandard.ZstdCompressor) -> _Choice
     return _Choice(encoding, cctx.compress(raw) if raw else b"", len(raw))
 
 
+# Records of at least this many changes code their positions' and values' rANS streams
+# in one pass (positions.encode_rans_pair); the bytes are the same either way.
+_PAIR_MIN = 4096
+
+
 def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int,
-                   cctx: zstandard.ZstdCompressor, dense: str, where: str) -> tuple[_Choice, _Choice]:
-    """(positions, values) sections of one record: the smallest of the encodings that fit."""
+                   cctx: zstandard.ZstdCompressor, dense: str, where: str,
+                   hist: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[_Choice, _Choice]:
+    """(positions, values) sections of one record: the smallest of the encodings that fit.
+
+    hist: value_histogram(vals, dt.itemsize), if already known."""
     count = int(pos.size)
     if count == 0:  # no changes: an empty runs section and an empty planes section
         return _Choice("runs", b"", 0), _Choice("planes", b"", 0)
     if count == numel:
-        return _Choice("all", None), _best_values(vals, dt, cctx)
-    pchoice = _best_positions(pos, cctx)
-    vchoice = _best_values(vals, dt, cctx)
+        return _Choice("all", None), _best_values(vals, dt, cctx, hist=hist)
+    if count >= _PAIR_MIN:
+        # Both raw sections at once: gaps and value symbols first, then their two rANS
+        # streams in one pass; then the same choices as below.
+        gp = gaps_parts(pos)
+        vp = value_parts(vals, dt.itemsize, hist)
+        if vp is None:
+            graw, vraw = gp.join(encode_rans(gp.sym, gp.counts)), None
+        else:
+            grans, vrans = encode_rans_pair(gp.sym, gp.counts, vp.sym, vp.counts, vp.lut)
+            graw, vraw = gp.join(grans), vp.join(vrans)
+        pchoice = _best_positions(pos, cctx, (graw, gp.zeros))
+        vchoice = _best_values(vals, dt, cctx, raw=vraw)
+    else:
+        pchoice = _best_positions(pos, cctx)
+        vchoice = _best_values(vals, dt, cctx, hist=hist)
     if dense == "never" or op is Op.OVERWRITE:
         return pchoice, vchoice
     # Dense: every element's xor/add value (0 where nothing changed); only plausible
@@ -292,9 +317,11 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
     return pchoice, vchoice
 
 
-def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor) -> _Choice:
+def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor,
+                    gaps: tuple[bytes, int] | None = None) -> _Choice:
+    """gaps: encode_gaps_rans(pos), if already computed."""
     count = pos.size
-    raw, adjacent = encode_gaps_rans(pos)
+    raw, adjacent = encode_gaps_rans(pos) if gaps is None else gaps
     best = _frame("gaps_rans", raw, cctx)
     if count <= _SMALL or (count - 1 - adjacent) < count // 2:  # runs: when mostly adjacent
         runs = _frame("runs", encode_runs(pos), cctx)
@@ -303,8 +330,15 @@ def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor) -> _Choice:
     return best
 
 
-def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompressor) -> _Choice:
-    raw = encode_value_symbols(vals, dt.itemsize)
+_UNSET: Any = object()
+
+
+def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompressor, *,
+                 raw: bytes | None = _UNSET, hist: tuple[np.ndarray, np.ndarray] | None = None) -> _Choice:
+    """raw: encode_value_symbols(vals, itemsize), if already computed (None included);
+    hist: value_histogram(vals, itemsize), if known."""
+    if raw is _UNSET:
+        raw = encode_value_symbols(vals, dt.itemsize, hist)
     best = _frame("symbols_rans", raw, cctx) if raw is not None else None
     if best is None or vals.size <= _SMALL or best.size > vals.size * dt.itemsize // 2:
         planes = np.ascontiguousarray(vals.view(np.uint8).reshape(vals.size, dt.itemsize).T)
@@ -319,7 +353,8 @@ def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarra
     if width <= 2 and vals.size:
         counts = np.zeros(1 << (8 * width), np.int64)
         kernels.histogram(np.ascontiguousarray(vals).view(f"<u{width}"), counts.size, counts)
-        distinct = np.flatnonzero(counts)
+        distinct = np.empty(counts.size, np.int64)
+        distinct = distinct[:kernels.nonzero_bins(counts, distinct)]  # (np.flatnonzero is slow on int64)
         return distinct.astype(np.dtype(f"<u{width}")), counts[distinct]
     return np.unique(vals, return_counts=True)
 
@@ -329,7 +364,8 @@ def values_entropy_bits(vals: np.ndarray, width: int) -> float:
     return entropy_bits(value_histogram(vals, width)[1]) if vals.size else 0.0
 
 
-def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
+def encode_value_symbols(vals: np.ndarray, width: int,
+                         hist: tuple[np.ndarray, np.ndarray] | None = None) -> bytes | None:
     """Raw `symbols_rans` values section, or None when most values would escape.
 
         varint L                 literal table size, 0..VALUE_ALPHABET
@@ -337,11 +373,39 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
         L x width bytes          the table: distinct values, strictly increasing (<u{width})
         rANS stream              one symbol per value, alphabet L + E (positions.encode_rans)
         width bytes per escape   the escaped values, in order (<u{width})
+
+    hist: value_histogram(vals, width), if already known.
     """
+    parts = value_parts(vals, width, hist)
+    if parts is None:
+        return None
+    sym = parts.sym
+    if parts.lut is not None:
+        sym = np.empty(parts.sym.size, np.int16)
+        kernels.map_symbols(parts.sym, parts.lut, sym)
+    return parts.join(encode_rans(sym, parts.counts))
+
+
+class ValueParts:
+    """A `symbols_rans` section before its rANS stream is coded (see `value_parts`): the
+    symbols are lut[sym] (lut None: sym itself), with these counts."""
+
+    __slots__ = ("head", "sym", "lut", "counts", "tail")
+
+    def __init__(self, head, sym, lut, counts, tail):
+        self.head, self.sym, self.lut, self.counts, self.tail = head, sym, lut, counts, tail
+
+    def join(self, rans: bytes) -> bytes:
+        """The raw section, given the rANS stream of the symbols."""
+        return b"".join((self.head, rans, self.tail))
+
+
+def value_parts(vals: np.ndarray, width: int, hist: tuple[np.ndarray, np.ndarray] | None = None) -> ValueParts | None:
+    """`encode_value_symbols` without the rANS stream (None when most values would escape)."""
     if vals.size == 0:
         return None
     bits = np.dtype(f"<u{width}")
-    distinct, counts = value_histogram(vals, width)
+    distinct, counts = value_histogram(vals, width) if hist is None else hist
     if distinct.size <= VALUE_ALPHABET:
         table, escape = distinct, 0
     else:  # the most frequent values that repeat; the rest escape
@@ -351,9 +415,13 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
         if counts[keep].sum() * 2 < vals.size:
             return None
     literal = table.size
+    head = (leb128_encode(np.array([literal, escape], np.uint64)).tobytes()
+            + table.astype(bits, copy=False).tobytes())
     if width <= 2:
         lut = np.full(1 << (8 * width), literal, dtype=np.int16)
         lut[table] = np.arange(literal, dtype=np.int16)
+        if not escape:  # the symbols are looked up while they are coded
+            return ValueParts(head, np.ascontiguousarray(vals).view(bits), lut, counts, b"")
         sym = np.empty(vals.size, np.int16)
         kernels.map_symbols(vals, lut, sym)
     else:
@@ -362,13 +430,10 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
     alphabet = literal + escape
     if escape:
         sym_counts = np.bincount(sym, minlength=alphabet)
+        tail = np.ascontiguousarray(vals[sym == literal]).astype(bits, copy=False).tobytes()
     else:
-        sym_counts = counts
-    out = [leb128_encode(np.array([literal, escape], np.uint64)).tobytes(),
-           table.astype(bits, copy=False).tobytes(), encode_rans(sym, sym_counts)]
-    if escape:
-        out.append(np.ascontiguousarray(vals[sym == literal]).astype(bits, copy=False).tobytes())
-    return b"".join(out)
+        sym_counts, tail = counts, b""
+    return ValueParts(head, sym, None, sym_counts, tail)
 
 
 def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np.ndarray:
@@ -398,11 +463,20 @@ def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np
 
 def choose_op(xor_values: np.ndarray, add_values: np.ndarray, width: int) -> Op:
     """XOR or ADD, whichever codes smaller (estimated from the values' empirical entropy)."""
+    return choose_op_histogram(xor_values, add_values, width)[0]
+
+
+def choose_op_histogram(xor_values: np.ndarray, add_values: np.ndarray, width: int
+                        ) -> tuple[Op, tuple[np.ndarray, np.ndarray] | None]:
+    """`choose_op`, and the chosen values' `value_histogram` (None when there are none),
+    which `encode(..., value_histograms=)` can reuse."""
     if xor_values.size == 0:
-        return Op.XOR
-    ex = values_entropy_bits(xor_values, width)
-    ea = values_entropy_bits(add_values, width)
-    return Op.ADD if ea < ex else Op.XOR
+        return Op.XOR, None
+    hx = value_histogram(xor_values, width)
+    ha = value_histogram(add_values, width)
+    if entropy_bits(ha[1]) < entropy_bits(hx[1]):
+        return Op.ADD, ha
+    return Op.XOR, hx
 
 
 def _positions_u64(positions: Any, where: str) -> np.ndarray:

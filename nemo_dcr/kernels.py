@@ -14,6 +14,16 @@ accesses, so every index a decoder derives from input data is checked explicitly
 
 The rANS coder (docs/wire-format.md, "rANS streams"): two interleaved 32-bit states
 kept in [2**16, 2**32), 16-bit renormalisation words, probabilities quantised to 2**16.
+The encoder divides by a reciprocal multiply (exact, see `_rans_tables`) and can code a
+record's two streams (positions and values, the same length) in one pass
+(`rans_encode2`); the words are those of `rans_encode`, stream by stream.
+
+A few operations numba has no spelling for - 512-bit compares and compress-stores for
+the 16-bit diff (`diff16`), the high half of a 64 x 64-bit product for the coder - are
+LLVM intrinsics (bottom of this file) standing in for plain Python functions of the same
+name, so the Python fallback computes the same thing. `diff16` needs AVX-512 (VBMI2) and
+is only called when the host has it (`HAVE_VECTOR_DIFF`); elsewhere the scalar
+`diff_words` gives the same arrays.
 """
 
 from __future__ import annotations
@@ -51,35 +61,168 @@ def diff_words(a, b, aw, bw, per, w0, pos, new, old, n0):
     """Scan int64 words aw/bw (views of a/b) from word w0; write every element of a word
     that differs into (pos, new, old) from slot n0, keeping only the changed ones.
 
-    Branch-free, in blocks of 512 words: the indices of differing words are compacted
-    first (a store per word, the count advanced by the compare), then their elements
-    are written with the slot advanced by the element compare - no unpredictable branch
-    per word or element. Returns (n, w): the slots used and the next word to scan
-    (< len(aw) when the output buffers were full; call again with larger buffers)."""
-    nw = aw.size
+    In blocks of 32 words: an OR over the block's xors (no branch per word) skips clean
+    blocks; in a block that differs, the indices of differing words are compacted
+    branch-free, then their elements are written with the slot advanced by the element
+    compare. Index arithmetic is unsigned (no negative-index handling in the loops).
+    Returns (n, w): the slots used and the next word to scan (< len(aw) when the
+    output buffers were full; call again with larger buffers)."""
+    nw = np.uint64(aw.size)
+    cap = np.uint64(pos.size)
+    uper = np.uint64(per)
+    n = np.uint64(n0)
+    idx = np.empty(32, np.uint64)
+    w = np.uint64(w0)
+    while w < nw:
+        end = w + np.uint64(32)
+        if end > nw:
+            end = nw
+        nb = end - w
+        acc = np.int64(0)
+        if nb == np.uint64(32):
+            for k in range(32):  # fixed trip count: vectorised
+                acc |= aw[w + np.uint64(k)] ^ bw[w + np.uint64(k)]
+        else:
+            for k in range(nb):
+                acc |= aw[w + np.uint64(k)] ^ bw[w + np.uint64(k)]
+        if acc != 0:
+            if n + nb * uper > cap:
+                return np.int64(n), np.int64(w)
+            nd = np.uint64(0)
+            for k in range(nb):
+                idx[nd] = w + np.uint64(k)
+                nd += np.uint64(aw[w + np.uint64(k)] != bw[w + np.uint64(k)])
+            for d in range(nd):
+                e = idx[d] * uper
+                for j in range(uper):
+                    x = a[e + j]
+                    y = b[e + j]
+                    pos[n] = np.int64(e + j)
+                    new[n] = x
+                    old[n] = y
+                    n += np.uint64(x != y)
+        w = end
+    return np.int64(n), np.int64(nw)
+
+
+# Values a 16-bit diff can write beside the new bits: DIFF_OLD (committed bits),
+# DIFF_XOR (new ^ old), DIFF_ADD (new - old, wrapping), DIFF_XOR_ADD (both),
+# DIFF_NONE (only positions and new bits).
+DIFF_OLD, DIFF_XOR, DIFF_ADD, DIFF_XOR_ADD, DIFF_NONE = 0, 1, 2, 3, 4
+DIFF_BLOCK = 128  # elements per block of `diff16`
+_LANES = 32  # 16-bit elements per 512-bit vector
+
+
+def _value_py(x, y, kind):
+    if kind == "old":
+        return y
+    if kind == "xor":
+        return x ^ y
+    return x - y  # numpy arrays wrap around
+
+
+def _vmask32(a, b, i):
+    """Bit k set where a[i + k] != b[i + k], k < 32."""
+    return int(np.packbits(a[i:i + _LANES] != b[i:i + _LANES], bitorder="little").view("<u4")[0])
+
+
+def _vstep_py(a, b, i, base, pos, new, v1, v2, n, k1, k2):
+    x = a[i:i + _LANES]
+    y = b[i:i + _LANES]
+    hit = np.flatnonzero(x != y)
+    m = n + hit.size
+    pos[n:m] = hit + (base + i)
+    new[n:m] = x[hit]
+    if k1:
+        v1[n:m] = _value_py(x[hit], y[hit], k1)
+    if k2:
+        v2[n:m] = _value_py(x[hit], y[hit], k2)
+    return m
+
+
+def _vstep_old(a, b, i, mask, base, pos, new, v1, v2, n):
+    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "old", "")
+
+
+def _vstep_xor(a, b, i, mask, base, pos, new, v1, v2, n):
+    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "xor", "")
+
+
+def _vstep_add(a, b, i, mask, base, pos, new, v1, v2, n):
+    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "add", "")
+
+
+def _vstep_xor_add(a, b, i, mask, base, pos, new, v1, v2, n):
+    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "xor", "add")
+
+
+def _vstep_none(a, b, i, mask, base, pos, new, v1, v2, n):
+    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "", "")
+
+
+@_jit
+def diff16(a, b, i0, base, pos, new, v1, v2, mode, n0):
+    """Diff of 16-bit arrays a (new) / b (committed) in blocks of 128 elements, from element
+    i0 (a multiple of 128) up to the last whole block; the caller diffs the tail.
+
+    For every element that differs, in order, writes base + index into `pos` (int64, or
+    int32 when base + len(a) < 2**31: half the stores), its new bits into `new` and, by
+    `mode` (DIFF_*), its committed bits, xor and/or wrapping difference into v1 / v2
+    (arrays of a's dtype; unused ones may be empty), from slot n0.
+
+    Compiled, a block costs four 32-lane compares (512-bit loads of both inputs) and one
+    branch; a block that differs anywhere is written with compress-stores (AVX-512 VBMI2),
+    32 elements at a time, with no branch per element or word: a few instructions per 32
+    elements whatever the change rate. Returns (n, i): the slots used and the next element
+    to scan (< the last whole block when the buffers were full; call again with larger
+    buffers)."""
     cap = pos.size
     n = n0
-    wbuf = np.empty(512, np.int64)
-    blk = w0
-    while blk < nw:
-        end = min(blk + 512, nw)
-        nd = 0
-        for w in range(blk, end):
-            wbuf[nd] = w
-            nd += np.int64(aw[w] != bw[w])
-        if n + nd * per > cap:
-            return n, blk
-        for k in range(nd):
-            base = wbuf[k] * per
-            for j in range(per):
-                x = a[base + j]
-                y = b[base + j]
-                pos[n] = base + j
-                new[n] = x
-                old[n] = y
-                n += np.int64(x != y)
-        blk = end
-    return n, nw
+    i = i0
+    stop = a.size - a.size % DIFF_BLOCK
+    while i < stop:
+        if n + DIFF_BLOCK > cap:
+            return n, i
+        # One 32-lane compare mask per quarter; a block that differs nowhere costs just that.
+        masks = (_vmask32(a, b, i), _vmask32(a, b, i + _LANES), _vmask32(a, b, i + 2 * _LANES),
+                 _vmask32(a, b, i + 3 * _LANES))
+        if (masks[0] | masks[1]) | (masks[2] | masks[3]):
+            for k in range(4):
+                j = i + k * _LANES
+                m = masks[k]
+                if mode == DIFF_XOR:
+                    n = _vstep_xor(a, b, j, m, base, pos, new, v1, v2, n)
+                elif mode == DIFF_XOR_ADD:
+                    n = _vstep_xor_add(a, b, j, m, base, pos, new, v1, v2, n)
+                elif mode == DIFF_ADD:
+                    n = _vstep_add(a, b, j, m, base, pos, new, v1, v2, n)
+                elif mode == DIFF_OLD:
+                    n = _vstep_old(a, b, j, m, base, pos, new, v1, v2, n)
+                else:
+                    n = _vstep_none(a, b, j, m, base, pos, new, v1, v2, n)
+        i += DIFF_BLOCK
+    return n, i
+
+
+def _host_has_vector_diff() -> bool:
+    """Whether numba compiles for this host and the host has the AVX-512 compress-stores
+    `diff16` is built on (elsewhere LLVM would emulate them element by element, slower
+    than the scalar `diff_words`). NEMO_DCR_NO_VECTOR_DIFF=1 turns it off."""
+    if _numba is None or os.environ.get("NEMO_DCR_NO_VECTOR_DIFF") == "1":
+        return False
+    try:
+        import llvmlite.binding as ll
+        from numba.core import config
+
+        if config.CPU_NAME not in (None, "host"):
+            return False  # an explicit (e.g. portable) target: do not assume the host's features
+        feats = ll.get_host_cpu_features()
+        return all(feats.get(f, False) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi2"))
+    except Exception:  # pragma: no cover - an llvmlite without the query
+        return False
+
+
+HAVE_VECTOR_DIFF = _host_has_vector_diff()
 
 
 # ======================================================================== placement
@@ -107,15 +250,38 @@ def affine_index(local, local_start, cols, offset, row_stride, out):
 def strictly_increasing_below(p, max_pos):
     """0 if int64 positions p are >= 0, strictly increasing and <= max_pos; else 1 + index
     of the first offender (with -1 meaning p[-1] > max_pos)."""
+    n = p.size
+    if n == 0:
+        return 0
+    bad = p[0] < 0
+    for i in range(1, n):  # no early exit: vectorised
+        bad |= p[i] <= p[i - 1]
+    if not bad and p[n - 1] <= max_pos:
+        return 0
     prev = -1
-    for i in range(p.size):
+    for i in range(n):
         v = p[i]
         if v <= prev:
             return i + 1
         prev = v
-    if p.size and prev > max_pos:
-        return -1
-    return 0
+    return -1
+
+
+@_jit
+def leb128(x, out):
+    """Unsigned LEB128 of every uint64 of x into out (room for 10 bytes each); returns
+    the bytes written (the same bytes as positions.leb128_encode)."""
+    n = 0
+    top = np.uint64(0x80)
+    for i in range(x.size):
+        v = np.uint64(x[i])
+        while v >= top:
+            out[n] = np.uint8((v & np.uint64(0x7F)) | top)
+            v = v >> np.uint64(7)
+            n += 1
+        out[n] = np.uint8(v)
+        n += 1
+    return n
 
 
 # ======================================================================== gaps
@@ -128,29 +294,68 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
     sym[i] = min(g_i >> r, esc), counts[s] += 1, the r low bits of every gap packed MSB
     first into `low` (zero-padded to a byte), excess[k] = (g >> r) - esc for the k-th
     escaped gap. p must be validated (>= 0, strictly increasing). Returns (low bytes
-    written, escapes, gaps equal to 0 after the first)."""
+    written, escapes, gaps equal to 0 after the first).
+
+    Counts go to four interleaved tables (a run of equal symbols would otherwise chain
+    every increment on the previous one); for r <= 32 the low bits are collected 32 at a
+    time and written as 4 bytes."""
+    n = p.size
+    nc = counts.size
+    c4 = np.zeros(4 * nc, np.int64)
     prev = -1
-    acc = 0  # pending bits, fewer than 8 between gaps
-    nbits = 0
     nb = 0
     ne = 0
     zeros = 0
-    for i in range(p.size):
-        v = p[i]
-        g = v - prev - 1
-        prev = v
-        if g == 0:
-            zeros += 1
-        q = g >> r
-        if q >= esc:
-            sym[i] = esc
-            counts[esc] += 1
-            excess[ne] = q - esc
-            ne += 1
-        else:
+    if r <= 32:
+        acc = 0  # pending bits: < 32 between gaps, so < 64 after adding a gap's r bits
+        nbits = 0
+        lowmask = (1 << r) - 1
+        for i in range(n):
+            v = p[i]
+            g = v - prev - 1
+            prev = v
+            zeros += g == 0
+            q = g >> r
+            if q >= esc:
+                q = esc
+                excess[ne] = (g >> r) - esc
+                ne += 1
             sym[i] = q
-            counts[q] += 1
-        if r:
+            c4[(i & 3) * nc + q] += 1
+            if r:
+                acc = (acc << r) | (g & lowmask)
+                nbits += r
+                if nbits >= 32:
+                    nbits -= 32
+                    w = acc >> nbits
+                    low[nb] = (w >> 24) & 0xFF
+                    low[nb + 1] = (w >> 16) & 0xFF
+                    low[nb + 2] = (w >> 8) & 0xFF
+                    low[nb + 3] = w & 0xFF
+                    nb += 4
+                    acc &= (1 << nbits) - 1
+        while nbits >= 8:
+            nbits -= 8
+            low[nb] = (acc >> nbits) & 0xFF
+            nb += 1
+        if nbits:
+            low[nb] = (acc << (8 - nbits)) & 0xFF
+            nb += 1
+    else:
+        acc = 0  # pending bits, fewer than 8 between gaps
+        nbits = 0
+        for i in range(n):
+            v = p[i]
+            g = v - prev - 1
+            prev = v
+            zeros += g == 0
+            q = g >> r
+            if q >= esc:
+                q = esc
+                excess[ne] = (g >> r) - esc
+                ne += 1
+            sym[i] = q
+            c4[(i & 3) * nc + q] += 1
             left = r
             while left > 0:
                 take = left if left <= 48 else 48
@@ -162,10 +367,12 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
                     low[nb] = (acc >> nbits) & 0xFF
                     nb += 1
                 acc &= (1 << nbits) - 1
-    if nbits:
-        low[nb] = (acc << (8 - nbits)) & 0xFF
-        nb += 1
-    if p.size and p[0] == 0:
+        if nbits:
+            low[nb] = (acc << (8 - nbits)) & 0xFF
+            nb += 1
+    for k in range(nc):
+        counts[k] += c4[k] + c4[nc + k] + c4[2 * nc + k] + c4[3 * nc + k]
+    if n and p[0] == 0:
         zeros -= 1
     return nb, ne, zeros
 
@@ -227,6 +434,37 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out):
 # ======================================================================== rANS
 
 
+def _mulhi(a, b):
+    """High 64 bits of the 128-bit product of two uint64 (compiled: one `mul`)."""
+    return np.uint64((int(a) * int(b)) >> 64)
+
+
+@_jit
+def _rans_tables(freq, cum):
+    """Per symbol, as uint64 rows (f = 0 rows are never used): [f << 16 (the state bound of
+    renormalisation), a reciprocal r, 2**16 - f, an addend c], such that for every state
+    1 <= x < f * 2**16, x' = x + mulhi(x, r) * (2**16 - f) + c is the coded state
+    (x // f << 16) + x % f + cum.
+
+    f >= 2: r = ceil(2**64 / f) (< 2**63), c = cum, and mulhi(x, r) = x // f exactly: it
+    overshoots x / f by less than x / 2**64 < 2**-32, while a fractional x / f stays at
+    least 1/f > 2**-16 below the next integer. f = 1: r = 2**64 - 1, so mulhi(x, r) =
+    x - 1, one short of x // f = x, and c = cum + 2**16 - 1 makes up for it."""
+    t = np.zeros((freq.size, 4), np.uint64)
+    for k in range(freq.size):
+        f = freq[k]
+        if f:
+            t[k, 0] = np.uint64(f) << np.uint64(16)
+            t[k, 2] = np.uint64(PROB_SCALE - f)
+            if f == 1:
+                t[k, 1] = np.uint64(0xFFFFFFFFFFFFFFFF)
+                t[k, 3] = np.uint64(cum[k] + PROB_SCALE - 1)
+            else:
+                t[k, 1] = np.uint64(0xFFFFFFFFFFFFFFFF) // np.uint64(f) + np.uint64(1)
+                t[k, 3] = np.uint64(cum[k])
+    return t
+
+
 @_jit
 def rans_encode(sym, freq, cum, out):
     """Two-way interleaved rANS: symbol i is coded by state i % 2.
@@ -238,27 +476,76 @@ def rans_encode(sym, freq, cum, out):
     coded symbol's >= 1 and < 2**16); cum: their exclusive prefix sums.
 
     One step per symbol on `xa`, the state of the symbol at hand; the two states swap
-    after every symbol, so they alternate and their division chains still overlap."""
-    u16 = np.uint32(16)
-    xa = np.uint32(RANS_L)
-    xb = np.uint32(RANS_L)
+    after every symbol, so they alternate and their dependency chains overlap.
+    Renormalisation is branch-free: the low word is always stored and kept only when
+    the state had to shrink (at most one word per symbol, so the store stays inside
+    `out`). No division: after renormalisation 1 <= x < f * 2**16, and the quotient
+    comes from a 64 x 64 -> 128-bit multiply by a reciprocal (`_rans_tables`)."""
+    t = _rans_tables(freq, cum)
+    s16 = np.uint64(16)
+    xa = np.uint64(RANS_L)
+    xb = np.uint64(RANS_L)
     p = out.size
     for i in range(sym.size - 1, -1, -1):
-        s = sym[i]
-        f = np.uint32(freq[s])
-        if xa >= (f << u16):
-            p -= 1
-            out[p] = xa & np.uint32(0xFFFF)
-            xa = xa >> u16
-        q = xa // f
-        xa = (q << u16) + (xa - q * f) + np.uint32(cum[s])
+        s = np.uint64(sym[i])
+        big = xa >= t[s, 0]
+        out[p - 1] = np.uint16(xa & np.uint64(0xFFFF))
+        p -= np.int64(big)
+        xa = (xa >> s16) if big else xa
+        q = _mulhi(xa, t[s, 1])
+        xa = xa + q * t[s, 2] + t[s, 3]
         xa, xb = xb, xa
     x0, x1 = xb, xa  # the last symbol coded, index 0, was state 0's
-    out[p - 1] = x1 >> u16
-    out[p - 2] = x1 & np.uint32(0xFFFF)
-    out[p - 3] = x0 >> u16
-    out[p - 4] = x0 & np.uint32(0xFFFF)
+    out[p - 1] = np.uint16(x1 >> s16)
+    out[p - 2] = np.uint16(x1 & np.uint64(0xFFFF))
+    out[p - 3] = np.uint16(x0 >> s16)
+    out[p - 4] = np.uint16(x0 & np.uint64(0xFFFF))
     return p - 4
+
+
+@_jit
+def rans_encode2(sym1, freq1, cum1, out1, sym2, lut2, freq2, cum2, out2):
+    """`rans_encode` of two streams of the same length in one pass: (start1, start2), with
+    out1[start1:] / out2[start2:] exactly the words of rans_encode(sym1, freq1, cum1, ...)
+    and rans_encode(lut2[sym2], freq2, cum2, ...) (lut2 maps values to symbols, so the
+    values need no separate symbol array). Four independent states (two per stream):
+    four dependency chains overlap."""
+    t1 = _rans_tables(freq1, cum1)
+    t2 = _rans_tables(freq2, cum2)
+    s16 = np.uint64(16)
+    low = np.uint64(0xFFFF)
+    xa = np.uint64(RANS_L)
+    xb = np.uint64(RANS_L)
+    ya = np.uint64(RANS_L)
+    yb = np.uint64(RANS_L)
+    p = out1.size
+    r = out2.size
+    for i in range(sym1.size - 1, -1, -1):
+        s = np.uint64(sym1[i])
+        u = np.uint64(lut2[sym2[i]])
+        big = xa >= t1[s, 0]
+        out1[p - 1] = np.uint16(xa & low)
+        p -= np.int64(big)
+        xa = (xa >> s16) if big else xa
+        big2 = ya >= t2[u, 0]
+        out2[r - 1] = np.uint16(ya & low)
+        r -= np.int64(big2)
+        ya = (ya >> s16) if big2 else ya
+        q = _mulhi(xa, t1[s, 1])
+        q2 = _mulhi(ya, t2[u, 1])
+        xa = xa + q * t1[s, 2] + t1[s, 3]
+        ya = ya + q2 * t2[u, 2] + t2[u, 3]
+        xa, xb = xb, xa
+        ya, yb = yb, ya
+    out1[p - 1] = np.uint16(xa >> s16)
+    out1[p - 2] = np.uint16(xa & low)
+    out1[p - 3] = np.uint16(xb >> s16)
+    out1[p - 4] = np.uint16(xb & low)
+    out2[r - 1] = np.uint16(ya >> s16)
+    out2[r - 2] = np.uint16(ya & low)
+    out2[r - 3] = np.uint16(yb >> s16)
+    out2[r - 4] = np.uint16(yb & low)
+    return p - 4, r - 4
 
 
 @_jit
@@ -298,10 +585,39 @@ def rans_decode(words, freq, cum, slot2sym, out):
 
 @_jit
 def histogram(vals, nbins, counts):
-    """counts[v] += 1 for each unsigned value (width <= 2: vals < nbins)."""
-    for i in range(vals.size):
-        counts[vals[i]] += 1
+    """counts[v] += 1 for each unsigned value (width <= 2: vals < nbins).
+
+    Large inputs (large against the tables) count into four interleaved uint32 tables,
+    summed at the end: a run of equal values (the common case: few distinct deltas)
+    would otherwise chain every increment on the previous one."""
+    n = vals.size
+    if n < max(4096, 8 * nbins) or n >= (1 << 32):
+        for i in range(n):
+            counts[vals[i]] += 1
+        return nbins
+    c4 = np.zeros(4 * nbins, np.uint32)
+    m = n - n % 4
+    for i in range(0, m, 4):
+        c4[vals[i]] += 1
+        c4[nbins + np.int64(vals[i + 1])] += 1
+        c4[2 * nbins + np.int64(vals[i + 2])] += 1
+        c4[3 * nbins + np.int64(vals[i + 3])] += 1
+    for i in range(m, n):
+        c4[vals[i]] += 1
+    for k in range(nbins):
+        counts[k] += (np.int64(c4[k]) + np.int64(c4[nbins + k]) + np.int64(c4[2 * nbins + k])
+                      + np.int64(c4[3 * nbins + k]))
     return nbins
+
+
+@_jit
+def nonzero_bins(counts, out):
+    """Indices of the non-zero counts, ascending, into out; returns how many."""
+    k = 0
+    for i in range(counts.size):
+        out[k] = i
+        k += counts[i] != 0
+    return k
 
 
 @_jit
@@ -332,3 +648,119 @@ def scatter_apply(flat, pos, vals, op):
     else:
         for i in range(pos.size):
             flat[pos[i]] = vals[i]
+
+
+# ======================================================================== intrinsics
+#
+# The compiled forms of _vmask32, _vstep_* (diff16) and _mulhi (rANS): LLVM
+# vector and 128-bit integer operations that numba has no spelling for. Without numba
+# the plain Python functions above are called instead (same results).
+
+if _numba is not None:
+    from llvmlite import ir as _ir
+    from numba.core import cgutils as _cg
+    from numba.core import types as _nt
+    from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
+
+    def _is16(t):
+        return isinstance(t, _nt.Array) and isinstance(t.dtype, _nt.Integer) and t.dtype.bitwidth == 16
+
+    def _data(context, builder, ty, val, index):
+        """Pointer to element `index` of a C-contiguous array."""
+        return builder.gep(context.make_array(ty)(context, builder, val).data, [index])
+
+    @_intrinsic
+    def _vmask32_intr(typingctx, a, b, i):
+        if not (_is16(a) and _is16(b)):
+            return None
+        sig = _nt.uint32(a, b, _nt.int64)
+
+        def codegen(context, builder, signature, args):
+            vt = _ir.VectorType(_ir.IntType(16), _LANES)
+            ta, tb = signature.args[0], signature.args[1]
+            va = builder.load(builder.bitcast(_data(context, builder, ta, args[0], args[2]), vt.as_pointer()), align=2)
+            vb = builder.load(builder.bitcast(_data(context, builder, tb, args[1], args[2]), vt.as_pointer()), align=2)
+            return builder.bitcast(builder.icmp_unsigned("!=", va, vb), _ir.IntType(_LANES))
+
+        return sig, codegen
+
+    def _make_vstep(k1, k2):
+        @_intrinsic
+        def vstep(typingctx, a, b, i, mask, base, pos, new, v1, v2, n):
+            if (not all(_is16(t) for t in (a, b, new, v1, v2)) or not isinstance(pos, _nt.Array)
+                    or not isinstance(pos.dtype, _nt.Integer) or pos.dtype.bitwidth not in (32, 64)):
+                return None
+            sig = _nt.int64(a, b, _nt.int64, _nt.uint32, _nt.int64, pos, new, v1, v2, _nt.int64)
+
+            def codegen(context, builder, signature, args):
+                ta, tb, _, _, _, tpos, tnew, tv1, tv2, _ = signature.args
+                a_, b_, i_, mask_, base_, pos_, new_, v1_, v2_, n_ = args
+                i16, i64 = _ir.IntType(16), _ir.IntType(64)
+                ipos = _ir.IntType(tpos.dtype.bitwidth)  # int32 positions: half the compress-stores
+                v16, vpos = _ir.VectorType(i16, _LANES), _ir.VectorType(ipos, _LANES)
+                vmask = _ir.VectorType(_ir.IntType(1), _LANES)
+                mod = builder.module
+                m = builder.bitcast(mask_, vmask)
+
+                def compress_store(vec, ptr):
+                    vt = vec.type
+                    fnty = _ir.FunctionType(_ir.VoidType(), [vt, vt.element.as_pointer(), vmask])
+                    name = f"llvm.masked.compressstore.v{_LANES}i{vt.element.width}"
+                    fn = _cg.get_or_insert_function(mod, fnty, name)
+                    builder.call(fn, [vec, ptr, m])
+
+                va = builder.load(builder.bitcast(_data(context, builder, ta, a_, i_), v16.as_pointer()), align=2)
+                vb = builder.load(builder.bitcast(_data(context, builder, tb, b_, i_), v16.as_pointer()), align=2)
+                compress_store(va, _data(context, builder, tnew, new_, n_))
+                for kind, ty, arr in ((k1, tv1, v1_), (k2, tv2, v2_)):
+                    if kind:
+                        val = {"old": lambda: vb, "xor": lambda: builder.xor(va, vb),
+                               "add": lambda: builder.sub(va, vb)}[kind]()
+                        compress_store(val, _data(context, builder, ty, arr, n_))
+                start = builder.add(base_, i_)
+                if ipos.width < 64:
+                    start = builder.trunc(start, ipos)
+                undef = _ir.Constant(vpos, _ir.Undefined)
+                splat = builder.insert_element(undef, start, _ir.Constant(_ir.IntType(32), 0))
+                splat = builder.shuffle_vector(splat, _ir.Constant(vpos, _ir.Undefined),
+                                               _ir.Constant(_ir.VectorType(_ir.IntType(32), _LANES), [0] * _LANES))
+                iota = _ir.Constant(vpos, [_ir.Constant(ipos, k) for k in range(_LANES)])
+                compress_store(builder.add(splat, iota), _data(context, builder, tpos, pos_, n_))
+                ctpop = _cg.get_or_insert_function(mod, _ir.FunctionType(_ir.IntType(_LANES), [_ir.IntType(_LANES)]),
+                                                   f"llvm.ctpop.i{_LANES}")
+                return builder.add(n_, builder.zext(builder.call(ctpop, [mask_]), i64))
+
+            return sig, codegen
+
+        return vstep
+
+    @_overload(_vmask32, jit_options={"nogil": True})
+    def _ol_vmask32(a, b, i):
+        return lambda a, b, i: _vmask32_intr(a, b, i)
+
+    def _register_vstep(pyfunc, k1, k2):
+        intr = _make_vstep(k1, k2)
+
+        @_overload(pyfunc, jit_options={"nogil": True})
+        def _ol(a, b, i, mask, base, pos, new, v1, v2, n):
+            return lambda a, b, i, mask, base, pos, new, v1, v2, n: intr(a, b, i, mask, base, pos, new, v1, v2, n)
+
+    for _f, _k1, _k2 in ((_vstep_old, "old", ""), (_vstep_xor, "xor", ""), (_vstep_add, "add", ""),
+                         (_vstep_xor_add, "xor", "add"), (_vstep_none, "", "")):
+        _register_vstep(_f, _k1, _k2)
+
+    @_intrinsic
+    def _mulhi_intr(typingctx, a, b):
+        sig = _nt.uint64(_nt.uint64, _nt.uint64)
+
+        def codegen(context, builder, signature, args):
+            i128 = _ir.IntType(128)
+            prod = builder.mul(builder.zext(args[0], i128), builder.zext(args[1], i128))
+            return builder.trunc(builder.lshr(prod, _ir.Constant(i128, 64)), _ir.IntType(64))
+
+        return sig, codegen
+
+    @_overload(_mulhi, jit_options={"nogil": True})
+    def _ol_mulhi(a, b):
+        return lambda a, b: _mulhi_intr(a, b)

@@ -44,14 +44,20 @@ class Piece:
     def local_stop(self) -> int:
         return self.local_start + self.size
 
-    def canonical_index(self, local: np.ndarray) -> np.ndarray:
-        """Canonical flat indices of local flat indices inside this piece (int64)."""
+    @property
+    def monotone(self) -> bool:
+        """Whether increasing local indices map to strictly increasing canonical ones."""
+        return self.rows <= 1 or self.row_stride >= self.cols
+
+    def canonical_index(self, local: np.ndarray, shift: int = 0) -> np.ndarray:
+        """Canonical flat indices of local flat indices `local + shift` inside this piece (int64)."""
+        start = self.local_start - shift
         if _kernels.HAVE_NUMBA and local.dtype == np.int64 and local.ndim == 1:
             out = np.empty(local.size, np.int64)  # one compiled pass, one division per block row
-            _kernels.affine_index(np.ascontiguousarray(local), self.local_start, self.cols, self.offset,
+            _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,
                                   self.row_stride, out)
             return out
-        rel = local - self.local_start
+        rel = local - start
         r, c = np.divmod(rel, self.cols)
         return self.offset + r * self.row_stride + c
 
@@ -104,15 +110,22 @@ class AffineMap:
         touched piece; positions outside every piece are dropped. Pieces of the
         same canonical tensor are returned separately (callers merge and sort).
         """
+        return [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in self.place_spans(local)]
+
+    def place_spans(self, local: np.ndarray, shift: int = 0) -> list[tuple[str, np.ndarray, int, int, bool]]:
+        """`place` for local positions `local + shift` (sorted), without materialising the
+        source indices: (canonical name, canonical positions int64, lo, hi, monotone) per
+        touched piece, where local[lo:hi] are the positions it places and `monotone`
+        says the canonical positions are strictly increasing (Piece.monotone)."""
         out = []
         if local.size == 0:
             return out
-        bounds = np.searchsorted(local, self._starts, side="left")
+        bounds = np.searchsorted(local, self._starts - shift, side="left")
         for i, p in enumerate(self.pieces):
-            lo = bounds[i]
-            hi = np.searchsorted(local, p.local_stop, side="left")
+            lo = int(bounds[i])
+            hi = int(np.searchsorted(local, p.local_stop - shift, side="left"))
             if hi > lo:
-                out.append((p.canonical, p.canonical_index(local[lo:hi]), np.arange(lo, hi)))
+                out.append((p.canonical, p.canonical_index(local[lo:hi], shift), lo, hi, p.monotone))
         return out
 
 

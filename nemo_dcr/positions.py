@@ -53,6 +53,9 @@ def leb128_encode(values: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(values, dtype=_U64)
     if x.size == 0:
         return np.empty(0, dtype=np.uint8)
+    if _k.HAVE_NUMBA:  # one compiled pass, the same bytes
+        out = np.empty(_MAX_VARINT_BYTES * x.size, dtype=np.uint8)
+        return out[:_k.leb128(x, out)]
     # Bytes per value: 1 + number of 7-bit thresholds the value reaches.
     nbytes = np.ones(x.shape, dtype=np.int64)
     for k in range(1, _MAX_VARINT_BYTES):
@@ -262,7 +265,19 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     """Frequencies summing to 2**16 for symbol counts (>= 2 non-zero): floor(c * 2**16 / m),
     raised to 1 where c > 0; the remainder goes to the first most frequent symbol, and
     an excess is taken from the currently largest frequencies (first first), keeping >= 1."""
-    c = [int(x) for x in np.asarray(counts).tolist()]
+    counts = np.asarray(counts)
+    m = int(counts.sum(dtype=np.uint64)) if counts.dtype.kind in "iu" and counts.size else 0
+    if counts.dtype.kind in "iu" and 0 < m < (1 << 46) and int(counts.min()) >= 0:
+        # The same integers, vectorised (c * 2**16 cannot overflow int64 here).
+        c64 = counts.astype(np.int64, copy=False)
+        freq = (c64 << 16) // m
+        freq[(c64 > 0) & (freq == 0)] = 1
+        diff = RANS_SCALE - int(freq.sum())
+        big = int(np.argmax(c64))  # the first most frequent symbol
+        if int(freq[big]) + diff >= 1:
+            freq[big] += diff
+            return freq
+    c = [int(x) for x in counts.tolist()]
     m = sum(c)
     freq = [(x * RANS_SCALE) // m for x in c]
     for i, x in enumerate(c):
@@ -284,8 +299,41 @@ def quantize(counts: np.ndarray) -> np.ndarray:
 def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
     """rANS stream (see above) of `symbols` (ints in [0, len(counts))) with these counts."""
     counts = np.asarray(counts, dtype=np.int64)
+    table = _rans_table(counts)
+    if isinstance(table, bytes):
+        return table
+    freq, cum = table
+    out = np.empty(symbols.size + 4, dtype="<u2")
+    start = _k.rans_encode(symbols, freq, cum, out)
+    return _rans_stream(freq, out[start:])
+
+
+def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, counts2: np.ndarray,
+                     lut2: np.ndarray | None = None) -> tuple[bytes, bytes]:
+    """(encode_rans(sym1, counts1), encode_rans(lut2[sym2], counts2)) - the same bytes -
+    coding both streams in one compiled pass when they have the same length (their
+    dependency chains then overlap: `kernels.rans_encode2`). lut2=None: sym2 are the
+    symbols."""
+    counts1 = np.asarray(counts1, dtype=np.int64)
+    counts2 = np.asarray(counts2, dtype=np.int64)
+    t1, t2 = _rans_table(counts1), _rans_table(counts2)
+    if isinstance(t1, bytes) or isinstance(t2, bytes) or sym1.size != sym2.size or not _k.HAVE_NUMBA:
+        s2 = sym2 if lut2 is None else lut2[sym2]
+        return (t1 if isinstance(t1, bytes) else encode_rans(sym1, counts1),
+                t2 if isinstance(t2, bytes) else encode_rans(s2, counts2))
+    if lut2 is None:
+        lut2 = np.arange(counts2.size, dtype=np.int32)
+    out1 = np.empty(sym1.size + 4, dtype="<u2")
+    out2 = np.empty(sym2.size + 4, dtype="<u2")
+    s1, s2 = _k.rans_encode2(sym1, t1[0], t1[1], out1, sym2, lut2, t2[0], t2[1], out2)
+    return _rans_stream(t1[0], out1[s1:]), _rans_stream(t2[0], out2[s2:])
+
+
+def _rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
+    """(quantised frequencies, their exclusive prefix sums) for int64 counts, or the whole
+    stream when at most one symbol occurs (it carries no words)."""
     alphabet = counts.size
-    nz = np.flatnonzero(counts)
+    nz = (counts != 0).nonzero()[0]
     if nz.size <= 1:
         freq = np.zeros(alphabet, np.int64)
         if nz.size:
@@ -294,10 +342,11 @@ def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
     freq = quantize(counts)
     cum = np.zeros(alphabet, np.int64)
     np.cumsum(freq[:-1], out=cum[1:])
-    out = np.empty(symbols.size + 4, dtype="<u2")
-    start = _k.rans_encode(symbols, freq, cum, out)
-    words = out[start:]
-    head = leb128_encode(np.concatenate(([alphabet], freq, [words.size])).astype(_U64)).tobytes()
+    return freq, cum
+
+
+def _rans_stream(freq: np.ndarray, words: np.ndarray) -> bytes:
+    head = leb128_encode(np.concatenate(([freq.size], freq, [words.size])).astype(_U64)).tobytes()
     return head + words.tobytes()
 
 
@@ -347,9 +396,17 @@ def _choose_shift(g: np.ndarray) -> int:
         return 0
     base = max(0, int(math.floor(math.log2(mean))) - 2)
     best, best_r = None, base
-    for r in (base, base + 1, base + 2):
-        counts = np.bincount(np.minimum(s >> r, _SYMBOL_CAP_POSITIONS - 1))
-        esc = counts[_SYMBOL_CAP_POSITIONS - 1] if counts.size == _SYMBOL_CAP_POSITIONS else 0
+    cap = _SYMBOL_CAP_POSITIONS - 1
+    # One histogram of min(g >> base, 4 * cap + 3); the quotients by base + 1 and base + 2
+    # (capped at `cap`) are sums of its bins, so the three candidate histograms hold
+    # exactly the counts (in the same order) of bincount(min(s >> r, cap)).
+    h0 = np.bincount(np.minimum(s >> base, 4 * cap + 3), minlength=4 * (cap + 1))
+    for d, r in enumerate((base, base + 1, base + 2)):
+        w = 1 << d
+        counts = np.empty(cap + 1, np.int64)
+        counts[:cap] = h0[:cap * w].reshape(cap, w).sum(axis=1)
+        counts[cap] = h0[cap * w:].sum()
+        esc = counts[cap]
         size = entropy_bits(counts) + s.size * r + 24 * esc
         if best is None or size < best:
             best, best_r = size, r
@@ -379,6 +436,31 @@ def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
         varints                      for each quotient symbol 255: (g >> r) - 255
 
     with g_0 = p_0, g_i = p_i - p_(i-1) - 1."""
+    parts = gaps_parts(positions)
+    return parts.join(encode_rans(parts.sym, parts.counts)), parts.zeros
+
+
+class GapsParts:
+    """A `gaps_rans` section before its rANS stream is coded (see `gaps_parts`), so that
+    the codec can code it together with the values' stream (`encode_rans_pair`)."""
+
+    __slots__ = ("shift", "sym", "counts", "low", "excess", "zeros")
+
+    def __init__(self, shift, sym, counts, low, excess, zeros):
+        self.shift, self.sym, self.counts, self.low, self.excess, self.zeros = shift, sym, counts, low, excess, zeros
+
+    def join(self, rans: bytes) -> bytes:
+        """The raw section, given encode_rans(self.sym, self.counts)."""
+        out = [leb128_encode(np.array([self.shift], _U64)).tobytes(), rans, self.low.tobytes()]
+        if self.excess.size:
+            out.append(leb128_encode(self.excess.astype(_U64)).tobytes())
+        return b"".join(out)
+
+
+def gaps_parts(positions: np.ndarray) -> GapsParts:
+    """Rice shift, quotient symbols and their counts, packed low bits and escaped
+    quotients of sorted, validated positions (count >= 1): `encode_gaps_rans` without
+    the rANS stream."""
     p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63
     n = p.size
     r = _choose_shift(_sample_gaps(p))
@@ -388,12 +470,8 @@ def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
     low = np.empty((n * r + 7) // 8, np.uint8)
     excess = np.empty(n, np.int64)
     nb, ne, zeros = _k.gaps_split(p, r, esc, sym, counts, low, excess)
-    alphabet = int(np.flatnonzero(counts)[-1]) + 1
-    out = [leb128_encode(np.array([r], _U64)).tobytes(), encode_rans(sym, counts[:alphabet]),
-           low[:nb].tobytes()]
-    if ne:
-        out.append(leb128_encode(excess[:ne].astype(_U64)).tobytes())
-    return b"".join(out), int(zeros)
+    alphabet = int((counts != 0).nonzero()[0][-1]) + 1
+    return GapsParts(r, sym, counts[:alphabet], low[:nb], excess[:ne], int(zeros))
 
 
 def decode_gaps_rans(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr import codec, dtypes
+from nemo_dcr import codec, dtypes, kernels
 from nemo_dcr.baseline import Baseline
-from nemo_dcr.diff import diff
+from nemo_dcr.diff import diff, diff_arrays
 from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
@@ -56,45 +56,67 @@ class _PayloadBuilder:
     """Accumulates placed changes per canonical tensor until a payload is full.
 
     With `track_new`, the new bits of every placed element are kept beside the values,
-    and `digests` (after `take`) holds each record's expected post-apply digest."""
+    and `digests` (after `take`) holds each record's expected post-apply digest.
+    `value_histograms` (after `take`): record index -> its values' histogram, for the
+    records whose operation was chosen here (op "auto"), so that encode reuses it."""
 
     def __init__(self, track_new: bool = False):
         # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
-        self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None]]] = {}
+        # Each part: (positions, values, new bits or None, positions known strictly increasing).
+        self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None, bool]]] = {}
         self.elements = 0
         self.track_new = track_new
         self.digests: dict[str, str] = {}
+        self.value_histograms: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None) -> None:
-        self.parts.setdefault((name, op), []).append((positions, values, new if self.track_new else None))
+    def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None,
+            increasing: bool = False) -> None:
+        self.parts.setdefault((name, op), []).append(
+            (positions, values, new if self.track_new else None, increasing))
         self.elements += positions.size
 
     def clear(self) -> None:
         self.parts, self.elements = {}, 0
 
     def take(self, specs: dict) -> list[Record]:
-        records, self.digests = [], {}
+        records, self.digests, self.value_histograms = [], {}, {}
         for (name, op), parts in self.parts.items():
-            pos = np.concatenate([p for p, _, _ in parts])
+            pos = _cat([p for p, _, _, _ in parts])
+            hist = None
             if op == AUTO:
-                xv = np.concatenate([v[0] for _, v, _ in parts])
-                av = np.concatenate([v[1] for _, v, _ in parts])
-                op = codec.choose_op(xv, av, xv.dtype.itemsize)
+                xv = _cat([v[0] for _, v, _, _ in parts])
+                av = _cat([v[1] for _, v, _, _ in parts])
+                op, hist = codec.choose_op_histogram(xv, av, xv.dtype.itemsize)
                 val = xv if op is Op.XOR else av
             else:
-                val = np.concatenate([v for _, v, _ in parts])
-            new = np.concatenate([n for _, _, n in parts]) if self.track_new else None
-            if pos.size > 1 and not np.all(pos[1:] > pos[:-1]):
+                val = _cat([v for _, v, _, _ in parts])
+            new = _cat([n for _, _, n, _ in parts]) if self.track_new else None
+            if pos.size > 1 and not _increasing(parts, pos):
                 order = np.argsort(pos, kind="stable")
                 pos, val = pos[order], val[order]
                 new = None if new is None else new[order]
             dtype, shape = specs[name]
             pos = pos.astype(np.uint64, copy=False)
+            if hist is not None:
+                self.value_histograms[len(records)] = hist
             records.append(Record(name, dtype, tuple(shape), op, pos, val))
             if new is not None:
                 self.digests[name] = region_digest(pos, new)
         self.clear()
         return records
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _increasing(parts: list, pos: np.ndarray) -> bool:
+    """Whether the concatenated positions `pos` of `parts` are strictly increasing."""
+    if all(p[3] for p in parts):  # each part is: check where they meet
+        return all(int(a[0][-1]) < int(b[0][0]) for a, b in zip(parts, parts[1:]))
+    if kernels.HAVE_NUMBA and pos.dtype.kind in "iu" and pos.itemsize == 8 and pos.flags.c_contiguous:
+        return kernels.strictly_increasing_below(pos.view(np.int64), (1 << 63) - 1) == 0
+    return bool(np.all(pos[1:] > pos[:-1]))
 
 
 class Producer:
@@ -195,7 +217,8 @@ class Producer:
             t = time.perf_counter()
             header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
                                    self.id, pid)
-            data = codec.encode(Payload(header, records), key=self.key, level=self.level)
+            data = codec.encode(Payload(header, records), key=self.key, level=self.level,
+                                value_histograms=builder.value_histograms)
             rep.times["encode"] += time.perf_counter() - t
             t = time.perf_counter()
             if rep.first_send_s is None:
@@ -215,29 +238,47 @@ class Producer:
             rep.scanned_elements += current.numel()
             rep.scanned_bytes += current.numel() * current.element_size()
             changed = 0
+            # CPU bit views with numba: one compiled pass per chunk gives the positions (range
+            # relative), the new bits and the values to send; no torch op, no extra pass.
+            fast = _compiled_diff(current, committed)
+            if fast:
+                cur, com = current.detach().reshape(-1).numpy(), committed.detach().reshape(-1).numpy()
             for lo in range(0, current.numel(), self.chunk):
                 hi = min(lo + self.chunk, current.numel())
                 t = time.perf_counter()
-                delta = diff(current[lo:hi], committed[lo:hi].to(current.device))
-                if len(delta) == 0:
-                    rep.times["diff"] += time.perf_counter() - t
-                    continue
-                positions = delta.positions + lo if lo else delta.positions
-                self.baseline.stage(key, positions, delta.new)
-                if op == AUTO:
-                    both = (_unsigned(delta.xor()), _unsigned(delta.add()))
+                if fast:
+                    positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=lo)
+                    if positions.size == 0:
+                        rep.times["diff"] += time.perf_counter() - t
+                        continue
+                    self.baseline.stage(key, torch.from_numpy(positions), torch.from_numpy(new_bits))
+                    new = _bits_view(new_bits)
+                    if op == AUTO:
+                        both = (_bits_view(vals[0]), _bits_view(vals[1]))
+                    else:
+                        values = new if op == Op.OVERWRITE else _bits_view(vals[0])
                 else:
-                    values = _unsigned({Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]())
-                new = _unsigned(delta.new) if builder.track_new else None
-                changed += len(delta)
+                    delta = diff(current[lo:hi], committed[lo:hi].to(current.device))
+                    if len(delta) == 0:
+                        rep.times["diff"] += time.perf_counter() - t
+                        continue
+                    positions_t = delta.positions + lo if lo else delta.positions
+                    self.baseline.stage(key, positions_t, delta.new)
+                    if op == AUTO:
+                        both = (_unsigned(delta.xor()), _unsigned(delta.add()))
+                    else:
+                        pick = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]
+                        values = _unsigned(pick())
+                    new = _unsigned(delta.new) if builder.track_new else None
+                    positions = positions_t.cpu().numpy()
+                if not builder.track_new:
+                    new = None
+                changed += positions.size
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
-                local = positions.cpu().numpy()
-                if offset:
-                    local = local + offset
-                for name, cpos, src in _placed(amap, local):
+                for name, cpos, src, increasing in _placed_spans(amap, positions, offset):
                     builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src],
-                                None if new is None else new[src])
+                                None if new is None else new[src], increasing)
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
                 if builder.elements >= self.max_payload_elements:
@@ -309,6 +350,35 @@ def _placed(amap: AffineMap, local: np.ndarray):
         return [(name, cpos.view(np.uint64) if cpos.dtype == np.int64 else cpos.astype(np.uint64),
                  slice(int(src[0]), int(src[-1]) + 1)) for name, cpos, src in placed]
     return [(name, cpos, src) for name, (cpos, src) in merge_placed(placed).items()]
+
+
+def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
+    """`_placed` of local positions `positions + offset` (sorted int64), with a fourth
+    field: whether the canonical positions are known strictly increasing. Every touched
+    piece with its own tensor (the usual case) takes a contiguous range of `positions`,
+    returned as a slice; the offset is folded into the pieces, not added to a copy."""
+    spans = amap.place_spans(positions, offset)
+    if len({name for name, *_ in spans}) == len(spans):
+        return [(name, cpos.view(np.uint64) if cpos.dtype == np.int64 else cpos.astype(np.uint64),
+                 slice(lo, hi), increasing) for name, cpos, lo, hi, increasing in spans]
+    placed = [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in spans]
+    return [(name, cpos, src, True) for name, (cpos, src) in merge_placed(placed).items()]
+
+
+# diff_arrays values per operation: what the records carry (overwrite: the new bits)
+_DIFF_VALUES = {Op.XOR: ("xor",), Op.ADD: ("add",), Op.OVERWRITE: (), AUTO: ("xor", "add")}
+_NP_BITS = (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _compiled_diff(current: torch.Tensor, committed: torch.Tensor) -> bool:
+    """Whether `diff_arrays` (compiled) can diff these bit views directly."""
+    return (kernels.HAVE_NUMBA and current.device.type == "cpu" and committed.device.type == "cpu"
+            and current.dtype == committed.dtype and current.dtype in _NP_BITS
+            and current.shape == committed.shape and current.is_contiguous() and committed.is_contiguous())
+
+
+def _bits_view(a: np.ndarray) -> np.ndarray:
+    return a.view(np.dtype(f"<u{a.itemsize}"))
 
 
 def _unsigned(t: torch.Tensor) -> np.ndarray:

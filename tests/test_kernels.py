@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr import codec, kernels
-from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff
+from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff, diff_arrays
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.placement import Piece
 from nemo_dcr.positions import (
@@ -21,6 +21,7 @@ from nemo_dcr.positions import (
     decode_rans,
     encode_gaps_rans,
     encode_rans,
+    encode_rans_pair,
     leb128_encode,
     quantize,
 )
@@ -85,6 +86,53 @@ def test_diff_words_resumes_where_the_buffer_was_full():
     n, w = kernels.diff_words(a, b, aw, bw, 4, w, *big, n)
     assert w == aw.size
     np.testing.assert_array_equal(big[0][:n], np.flatnonzero(a != b))
+
+
+@needs_numba
+@pytest.mark.parametrize("vector", [True, False])
+@pytest.mark.parametrize("values", [(), ("old",), ("xor",), ("add",), ("xor", "add")])
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.uint8])
+def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
+    """The producer's one-pass diff: positions (+ base), new bits and each value array the
+    records carry, on the 512-bit 16-bit scan and on the word scan, against numpy; sizes
+    that end mid-block, buffers that must grow, and changes that wrap around."""
+    if vector and not kernels.HAVE_VECTOR_DIFF:
+        pytest.skip("host has no AVX-512 VBMI2")
+    monkeypatch.setattr(kernels, "HAVE_VECTOR_DIFF", vector)
+    rng = np.random.default_rng(len(values) * 7 + np.dtype(dtype).itemsize)
+    info = np.iinfo(dtype)
+    for n, rate in [(0, 0.0), (127, 0.5), (128 * 40 + 77, 0.01), (50_000, 0.9), (9_000, 0.0)]:
+        old = rng.integers(info.min, info.max, n, endpoint=True).astype(dtype)
+        new = old.copy()
+        hit = rng.random(n) < rate
+        new[hit] = rng.integers(info.min, info.max, int(hit.sum()), endpoint=True).astype(dtype)
+        ref = np.flatnonzero(new != old)
+        pos, nv, vals = diff_arrays(new, old, values, base=1000)
+        np.testing.assert_array_equal(pos, ref + 1000)
+        assert pos.dtype == np.int64 and nv.dtype == new.dtype
+        np.testing.assert_array_equal(nv, new[ref])
+        want = {"old": old[ref], "xor": new[ref] ^ old[ref], "add": new[ref] - old[ref]}
+        assert len(vals) == len(values)
+        for kind, got in zip(values, vals):
+            assert got.dtype == new.dtype
+            np.testing.assert_array_equal(got, want[kind], err_msg=f"{kind}, n={n}")
+
+
+def test_rans_pair_gives_the_two_single_streams():
+    """encode_rans_pair codes both streams in one pass: the same bytes as two encode_rans,
+    with and without the symbol lookup table, and when one stream has a single symbol."""
+    rng = np.random.default_rng(5)
+    n = 20_000
+    s1 = rng.geometric(0.2, n).clip(max=200).astype(np.int32) - 1
+    raw2 = rng.integers(0, 1 << 16, n).astype(np.uint16) % 37
+    lut = np.full(1 << 16, 0, np.int16)
+    lut[:37] = np.arange(37)[::-1]
+    mapped = lut[raw2].astype(np.int32)
+    c1, c2 = np.bincount(s1), np.bincount(mapped, minlength=37)
+    assert encode_rans_pair(s1, c1, raw2, c2, lut) == (encode_rans(s1, c1), encode_rans(mapped, c2))
+    assert encode_rans_pair(s1, c1, mapped, c2) == (encode_rans(s1, c1), encode_rans(mapped, c2))
+    one = np.zeros(n, np.int32)
+    assert encode_rans_pair(s1, c1, one, np.array([n])) == (encode_rans(s1, c1), encode_rans(one, np.array([n])))
 
 
 # -------------------------------------------------------------- placement
@@ -189,7 +237,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     """Every kernel run as plain Python (numba absent) encodes exactly the same payload."""
     rng = np.random.default_rng(11)
     recs = []
-    for i, (n, rate) in enumerate([(3000, 0.02), (2000, 0.4), (500, 1.0), (4000, 0.005)]):
+    for i, (n, rate) in enumerate([(3000, 0.02), (2000, 0.4), (500, 1.0), (4000, 0.005), (20000, 0.3)]):
         pos = np.flatnonzero(rng.random(n) < rate).astype(np.uint64)
         vals = rng.integers(1, 9, pos.size).astype(np.uint16)
         recs.append(Record(f"w{i}", "BF16", (n,), Op.ADD if i % 2 else Op.XOR, pos, vals))
@@ -202,8 +250,9 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     local = np.flatnonzero(a != b).astype(np.int64)
     d_compiled = _diff_compiled(a, b)
     placed_compiled = piece.canonical_index(local)
-    for name in ("diff_words", "affine_index", "strictly_increasing_below", "gaps_split", "gaps_join",
-                 "rans_encode", "rans_decode", "histogram", "map_symbols", "lookup"):
+    for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
+                 "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "histogram", "nonzero_bins",
+                 "map_symbols", "lookup"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
