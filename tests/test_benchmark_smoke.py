@@ -51,6 +51,24 @@ def test_trainer_speed_benchmark_smoke(tmp_path):
         assert row["op"] in ("xor", "auto")
 
 
+def test_soak_benchmark_smoke(tmp_path):
+    """A few refits into 4 receiver processes: bit-exact, and nothing grows (benchmarks/soak.py)."""
+    res = _run(["benchmarks/soak.py", "--receivers", "4"], tmp_path, "soak")
+    assert res["benchmark"] == "soak" and res["transport"] == "local" and res["receivers"] == 4
+    assert res["passed"] and res["bit_exact_every_refit"] and res["final_bit_exact"]
+    total = res["warmup"] + res["refits"]
+    assert len(res["per_refit"]["verify_s"]) == total and all(v > 0 for v in res["per_refit"]["verify_s"])
+    procs = {"trainer", "rx0", "rx1", "rx2", "rx3"}
+    assert procs <= res["samples"].keys()
+    metrics = {"rss_mib", "fds", "sockets", "files", "shm", "threads", "gc_objects", "heap_in_use_mib"}
+    for p in procs:
+        assert metrics <= res["samples"][p].keys() and len(res["samples"][p]["rss_mib"]) == total
+    checked = {(c["process"], c["metric"]) for c in res["checks"]}
+    assert {(p, m) for p in procs for m in metrics} <= checked
+    assert all({"first", "last", "max", "slope", "passed"} <= c.keys() for c in res["checks"])
+    assert res["shutdown"]["passed"] and set(res["shutdown"]["receiver_exit_codes"].values()) == {0}
+
+
 def test_scaling_benchmark_smoke(tmp_path):
     res = _run(["benchmarks/scaling.py"], tmp_path, "scaling")
     assert res["benchmark"] == "scaling" and res["links"] and "dense_reference" in res
