@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     size = int(args.payload_mib * (1 << 20))
     results = []
     print(f"{'transport':<10}{'N':>4}{'transfer':>12}{'best s':>10}{'MB/s':>10}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="nemo-dcr-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="nemo-dcr-bench-", dir=shm) as tmp:
         for name in args.transports.split(","):
             for n in (int(x) for x in args.receivers.split(",")):
                 r = run_one(name, n, args.payloads, size, args.repeats, Path(tmp) / f"{name}-{n}")

@@ -259,7 +259,8 @@ class _LocalCoordinator(CoordinatorEnd):
                     f"local transport: receivers {missing} sent no '{kind}' for transfer {transfer_id} "
                     f"within {timeout_s:.0f} s"
                 )
-            if msg["kind"] == kind and msg.get("transfer_id") == transfer_id and msg.get("receiver") in self.t.receivers:
+            mine = msg.get("transfer_id") == transfer_id and msg.get("receiver") in self.t.receivers
+            if msg["kind"] == kind and mine:
                 replies[msg["receiver"]] = msg
         return replies
 
