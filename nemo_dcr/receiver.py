@@ -20,6 +20,7 @@ anchor (`nemo_dcr.catchup`). Payloads are deduplicated by identity.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -108,6 +109,7 @@ class Receiver:
         self.uncertain_state: str | None = None  # why the bits are unknown (refuses transfers until caught up)
         self.log = log or (lambda msg: None)
         self.history = open_history(history)
+        self._stopping = threading.Event()
 
     def catch_up(self, target: int | None = None):
         """Take this receiver to `target` (default: the newest version in its history);
@@ -119,7 +121,8 @@ class Receiver:
     # --- event loop -----------------------------------------------------------------
 
     def serve_forever(self, poll_s: float = 0.5) -> None:
-        while True:
+        """Handle events until a (valid) shutdown message or `stop()`."""
+        while not self._stopping.is_set():
             try:
                 event = self.end.poll(poll_s)
             except TransportError as e:  # an outage of the transport: keep serving, try again
@@ -128,6 +131,11 @@ class Receiver:
                 continue
             if event is not None and not self.handle(event):
                 return
+
+    def stop(self) -> None:
+        """Make `serve_forever` return within one poll, from another thread of the hosting
+        process (a shutdown message it could not authenticate would not stop it)."""
+        self._stopping.set()
 
     def handle(self, event) -> bool:
         """Process one event; False once asked to shut down."""

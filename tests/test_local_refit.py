@@ -77,6 +77,9 @@ class Setup:
         self.refit.close(shutdown_receivers=True)
         for t in self.threads:
             t.join(timeout=10)
+        for r, t in zip(self.receivers, self.threads):  # one that ignored the shutdown (another key)
+            r.stop()
+            t.join(timeout=10)
         for r in self.receivers:
             r.end.close()
         self.transport.cleanup()
