@@ -46,11 +46,12 @@ from .errors import PayloadRejected
 from . import kernels
 from .positions import (
     MAX_NUMEL,
+    GapsReader,
     PositionsError,
+    RansStream,
     Reader,
     check_positions,
-    decode_gaps_rans,
-    decode_rans,
+    decode_rans_pair,
     decode_runs,
     encode_gaps_rans,
     encode_rans,
@@ -438,27 +439,44 @@ def value_parts(vals: np.ndarray, width: int, hist: tuple[np.ndarray, np.ndarray
 
 def decode_value_symbols(raw: bytes, m: int, dt: dtypes.DType, where: str) -> np.ndarray:
     """m values (dt's unsigned bit view) from a raw `symbols_rans` section; validates everything."""
-    w = dt.itemsize
-    rd = Reader(raw)
-    literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
-    escape = rd.varint(f"{where}: symbols escape flag", 1)
-    if literal + escape == 0:
-        raise PositionsError(f"{where}: symbols alphabet is empty")
-    table = rd.take(literal * w, f"{where}: symbols table").view(dt.bits_numpy)
-    if literal > 1 and np.any(table[1:] <= table[:-1]):
-        raise PositionsError(f"{where}: symbols table not strictly increasing")
-    sym, alphabet = decode_rans(rd, m, literal + escape, f"{where}: symbols", np.int16)
-    if alphabet != literal + escape:
-        raise PositionsError(f"{where}: symbol stream alphabet {alphabet} != table {literal} + escape {escape}")
-    ext = np.zeros(literal + escape, dtype=dt.bits_numpy)
-    ext[:literal] = table
-    vals = np.empty(m, dtype=dt.bits_numpy)
-    kernels.lookup(sym, ext, vals)
-    if escape:
-        hit = np.flatnonzero(sym == literal)
-        vals[hit] = rd.take(hit.size * w, f"{where}: escaped values").view(dt.bits_numpy)
-    rd.done(f"{where}: symbols section")
-    return vals
+    v = _ValuesReader(raw, m, dt, where)
+    return v.values(v.stream.decode(m))
+
+
+class _ValuesReader:
+    """A `symbols_rans` section read up to its rANS stream's symbols (`RansStream`), so
+    that they can be decoded together with the positions' (`decode_rans_pair`);
+    `values` then checks and looks up the rest."""
+
+    __slots__ = ("rd", "m", "dt", "where", "literal", "escape", "table", "stream")
+
+    def __init__(self, raw: bytes, m: int, dt: dtypes.DType, where: str):
+        self.rd = rd = Reader(raw)
+        self.m, self.dt, self.where = m, dt, where
+        self.literal = literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
+        self.escape = escape = rd.varint(f"{where}: symbols escape flag", 1)
+        if literal + escape == 0:
+            raise PositionsError(f"{where}: symbols alphabet is empty")
+        self.table = table = rd.take(literal * dt.itemsize, f"{where}: symbols table").view(dt.bits_numpy)
+        if literal > 1 and np.any(table[1:] <= table[:-1]):
+            raise PositionsError(f"{where}: symbols table not strictly increasing")
+        self.stream = RansStream.read(rd, literal + escape, f"{where}: symbols", np.int16)
+
+    def values(self, sym: np.ndarray) -> np.ndarray:
+        """The m values given the stream's symbols."""
+        rd, literal, escape, where, bits = self.rd, self.literal, self.escape, self.where, self.dt.bits_numpy
+        if self.stream.alphabet != literal + escape:
+            raise PositionsError(f"{where}: symbol stream alphabet {self.stream.alphabet} != table {literal} "
+                                 f"+ escape {escape}")
+        ext = np.zeros(literal + escape, dtype=bits)
+        ext[:literal] = self.table
+        vals = np.empty(self.m, dtype=bits)
+        kernels.lookup(sym, ext, vals)
+        if escape:
+            hit = np.flatnonzero(sym == literal)
+            vals[hit] = rd.take(hit.size * self.dt.itemsize, f"{where}: escaped values").view(bits)
+        rd.done(f"{where}: symbols section")
+        return vals
 
 
 def choose_op(xor_values: np.ndarray, add_values: np.ndarray, width: int) -> Op:
@@ -906,29 +924,31 @@ def _decompress(body: memoryview, sec: _Section, where: str,
 def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor) -> Record:
     where = f"record {m.name!r}"
     nvals = m.numel if m.positions_encoding == "dense" else m.count
-    if m.positions_encoding in ("all", "dense"):
-        pos = None
-    else:
+    pos = gaps = None
+    if m.positions_encoding not in ("all", "dense"):
         assert m.positions is not None
         raw = _decompress(body, m.positions, f"{where} positions", dctx)
-        try:
+        with _AsBad(f"{where} positions"):
             if m.positions_encoding == "runs":
                 pos = decode_runs(raw, m.count, m.numel)
             else:  # gaps_rans (the header parser admits no other encoding with a section)
-                pos = decode_gaps_rans(raw, m.count, m.numel)
-        except PositionsError as e:
-            raise _Bad(f"{where} positions: {e}") from None
-    vraw = _decompress(body, m.values, f"{where} values", dctx)
-    w = m.dtype.itemsize
-    if m.values_encoding == "symbols_rans":
-        try:
-            vals = decode_value_symbols(vraw, nvals, m.dtype, where)
-        except PositionsError as e:
-            raise _Bad(f"{where} values: {e}") from None
-    else:
-        planes = np.frombuffer(vraw, dtype=np.uint8).reshape(w, nvals)
-        # np.array copies: the caller gets writable arrays that own their memory.
-        vals = np.array(planes.T, order="C").view(m.dtype.bits_numpy).reshape(nvals)
+                gaps = GapsReader(raw, m.count)
+    values = _paired_values(m, body, dctx, where, gaps)
+    if values is not None:
+        # Both rANS streams in one pass; each stream's errors are raised where the single
+        # decodes would raise them (positions first).
+        psym, pstatus, vsym, vstatus = decode_rans_pair(gaps.stream, values.stream, m.count)
+        with _AsBad(f"{where} positions"):
+            gaps.stream.check(pstatus)
+            pos = gaps.positions(psym, m.numel)
+        with _AsBad(f"{where} values"):
+            values.stream.check(vstatus)
+            vals = values.values(vsym)
+    elif gaps is not None:
+        with _AsBad(f"{where} positions"):
+            pos = gaps.positions(gaps.stream.decode(m.count), m.numel)
+    if values is None:
+        vals = _decode_values(m, body, dctx, where, nvals)
     if m.positions_encoding == "dense":
         nz = np.flatnonzero(vals)
         if nz.size != m.count:
@@ -939,3 +959,43 @@ def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompr
     if not vals.flags.writeable:
         vals = vals.copy()
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
+
+
+class _AsBad:
+    """Context: a PositionsError inside becomes _Bad(f"{where}: {reason}")."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: Any, e: BaseException | None, tb: Any) -> None:
+        if isinstance(e, PositionsError):
+            raise _Bad(f"{self.where}: {e}") from None
+
+
+def _paired_values(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor, where: str,
+                   gaps: GapsReader | None) -> _ValuesReader | None:
+    """The values section read up to its symbols when the record's two rANS streams can be
+    decoded in one pass (gaps_rans + symbols_rans, both with words, at least _PAIR_MIN
+    changes), else None. A values section that fails here is left to `_decode_values`,
+    after the positions, so that errors come in the same order either way."""
+    if gaps is None or m.values_encoding != "symbols_rans" or m.count < _PAIR_MIN or gaps.stream.words is None:
+        return None
+    try:
+        values = _ValuesReader(_decompress(body, m.values, f"{where} values", dctx), m.count, m.dtype, where)
+    except (_Bad, PositionsError):
+        return None
+    return values if values.stream.words is not None else None
+
+
+def _decode_values(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor, where: str,
+                   nvals: int) -> np.ndarray:
+    vraw = _decompress(body, m.values, f"{where} values", dctx)
+    if m.values_encoding == "symbols_rans":
+        with _AsBad(f"{where} values"):
+            return decode_value_symbols(vraw, nvals, m.dtype, where)
+    planes = np.frombuffer(vraw, dtype=np.uint8).reshape(m.dtype.itemsize, nvals)
+    # np.array copies: the caller gets writable arrays that own their memory.
+    return np.array(planes.T, order="C").view(m.dtype.bits_numpy).reshape(nvals)

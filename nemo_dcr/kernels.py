@@ -284,6 +284,36 @@ def leb128(x, out):
     return n
 
 
+@_jit
+def leb128_parse(buf, start, n, out):
+    """Decode up to n canonical unsigned LEB128 varints from buf[start:] into uint64 out
+    (size >= n); stops at n or at the end of buf. Returns (varints decoded, end offset),
+    or (-1, offset of the bad varint) for one that is truncated, longer than 10 bytes,
+    non-minimal or beyond 64 bits (positions.leb128_decode names the reason)."""
+    p = start
+    k = 0
+    size = buf.size
+    while k < n and p < size:
+        v = np.uint64(0)
+        length = 0
+        while True:
+            if p + length >= size or length >= 10:
+                return -1, p
+            b = buf[p + length]
+            v |= np.uint64(b & 0x7F) << np.uint64(7 * length)
+            length += 1
+            if b < 0x80:
+                break
+        if length > 1 and b == 0:
+            return -1, p
+        if length == 10 and b > 1:
+            return -1, p
+        out[k] = v
+        k += 1
+        p += length
+    return k, p
+
+
 # ======================================================================== gaps
 
 
@@ -390,8 +420,15 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out):
         return -1
     big = (1 << 63) - 1
     prev = -1
-    bitpos = 0
     ne = 0
+    # r <= 32: the low bits come from a buffer refilled 32 bits (4 bytes, big-endian) at a
+    # time, zeros past the end (m * r <= 8 * nlow is checked above), instead of a loop over
+    # bytes per gap. Wider shifts read byte by byte.
+    acc = 0
+    nbits = 0
+    nb = 0
+    lowmask = (1 << r) - 1
+    bitpos = 0  # r > 32
     for i in range(m):
         q = np.int64(sym[i])
         if q == esc:
@@ -405,7 +442,17 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out):
         if q > (big >> r):
             return -4
         g = q << r
-        if r:
+        if r <= 32:
+            if nbits < r:
+                w = 0
+                for k in range(4):
+                    w = (w << 8) | (np.int64(low[nb + k]) if nb + k < nlow else 0)
+                nb += 4
+                acc = ((acc & ((1 << nbits) - 1)) << 32) | w
+                nbits += 32
+            nbits -= r
+            g |= (acc >> nbits) & lowmask
+        else:
             lowv = 0
             need = r
             while need > 0:
@@ -424,6 +471,7 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out):
     if ne != excess.size:
         return -3
     # padding bits after the last gap must be zero
+    bitpos = m * r
     while bitpos < 8 * nlow:
         if (np.int64(low[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1:
             return -2
@@ -548,26 +596,32 @@ def rans_encode2(sym1, freq1, cum1, out1, sym2, lut2, freq2, cum2, out2):
     return p - 4, r - 4
 
 
-@_jit
-def rans_decode(words, freq, cum, slot2sym, out):
-    """Decode len(out) symbols of a stream written by rans_encode.
+# Symbols the decoders take without a bounds check on the words: a symbol reads at most one
+# word, so a block of this many needs only one check that as many words remain.
+RANS_BLOCK = 32
 
-    Returns 0, or -1 bad initial states, -2 the words run out, -3 the stream does not
-    end exactly where the symbols do (both states back at 2**16, every word read).
-    As in rans_encode, `xa` is the state of the symbol at hand and the states swap
-    after every symbol (words are read in the order the encoder wrote them)."""
+
+@_jit
+def _rans_start(words):
+    """(status, x0, x1): the initial states of a stream, status -1 when they are bad."""
+    if words.size < 4:
+        return -1, 0, 0
+    x0 = np.int64(words[0]) | (np.int64(words[1]) << 16)
+    x1 = np.int64(words[2]) | (np.int64(words[3]) << 16)
+    if x0 < RANS_L or x1 < RANS_L:
+        return -1, 0, 0
+    return 0, x0, x1
+
+
+@_jit
+def _rans_finish(words, freq, cum, slot2sym, out, i, xa, xb, ptr):
+    """Decode symbols i.. of a stream with every check (the tail after the blocks) and
+    check its end: the status of `rans_decode`."""
     nw = words.size
-    if nw < 4:
-        return -1
-    xa = np.int64(words[0]) | (np.int64(words[1]) << 16)
-    xb = np.int64(words[2]) | (np.int64(words[3]) << 16)
-    if xa < RANS_L or xb < RANS_L:
-        return -1
-    ptr = 4
-    for i in range(out.size):
+    for k in range(i, out.size):
         slot = xa & 0xFFFF
         s = slot2sym[slot]
-        out[i] = s
+        out[k] = s
         xa = np.int64(freq[s]) * (xa >> 16) + slot - cum[s]
         if xa < RANS_L:
             if ptr >= nw:
@@ -578,6 +632,81 @@ def rans_decode(words, freq, cum, slot2sym, out):
     if xa != RANS_L or xb != RANS_L or ptr != nw:
         return -3
     return 0
+
+
+@_jit
+def rans_decode(words, freq, cum, slot2sym, out):
+    """Decode len(out) symbols of a stream written by rans_encode.
+
+    Returns 0, or -1 bad initial states, -2 the words run out, -3 the stream does not
+    end exactly where the symbols do (both states back at 2**16, every word read).
+    As in rans_encode, `xa` is the state of the symbol at hand and the states swap
+    after every symbol (words are read in the order the encoder wrote them).
+
+    In blocks of RANS_BLOCK symbols while that many words remain, renormalisation is
+    branch-free (the next word is always loaded and kept only when the state is below
+    2**16: a branch there is mispredicted about as often as it is taken); the rest
+    goes through `_rans_finish`, which checks every read."""
+    status, xa, xb = _rans_start(words)
+    if status:
+        return status
+    ptr = 4
+    i = 0
+    m = out.size
+    while i + RANS_BLOCK <= m and ptr + RANS_BLOCK <= words.size:
+        for k in range(i, i + RANS_BLOCK):
+            slot = xa & 0xFFFF
+            s = slot2sym[slot]
+            out[k] = s
+            xa = np.int64(freq[s]) * (xa >> 16) + slot - cum[s]
+            small = xa < RANS_L
+            w = (xa << 16) | np.int64(words[ptr])
+            xa = w if small else xa
+            ptr += np.int64(small)
+            xa, xb = xb, xa
+        i += RANS_BLOCK
+    return _rans_finish(words, freq, cum, slot2sym, out, i, xa, xb, ptr)
+
+
+@_jit
+def rans_decode2(words1, freq1, cum1, slot2sym1, out1, words2, freq2, cum2, slot2sym2, out2):
+    """`rans_decode` of two streams of the same length (a record's positions and values)
+    in one pass: (status1, status2), the symbols and statuses of the two single calls.
+
+    Four states (two per stream), so four dependency chains overlap; renormalisation is
+    branch-free in blocks, as in rans_decode, while both streams have RANS_BLOCK words
+    left. Each stream's tail is decoded on its own, with every check."""
+    st1, xa, xb = _rans_start(words1)
+    st2, ya, yb = _rans_start(words2)
+    if st1 or st2 or out1.size != out2.size:
+        return rans_decode(words1, freq1, cum1, slot2sym1, out1), rans_decode(words2, freq2, cum2, slot2sym2, out2)
+    p = 4
+    q = 4
+    i = 0
+    m = out1.size
+    while i + RANS_BLOCK <= m and p + RANS_BLOCK <= words1.size and q + RANS_BLOCK <= words2.size:
+        for k in range(i, i + RANS_BLOCK):
+            slot = xa & 0xFFFF
+            slot2 = ya & 0xFFFF
+            s = slot2sym1[slot]
+            u = slot2sym2[slot2]
+            out1[k] = s
+            out2[k] = u
+            xa = np.int64(freq1[s]) * (xa >> 16) + slot - cum1[s]
+            ya = np.int64(freq2[u]) * (ya >> 16) + slot2 - cum2[u]
+            small = xa < RANS_L
+            small2 = ya < RANS_L
+            w = (xa << 16) | np.int64(words1[p])
+            w2 = (ya << 16) | np.int64(words2[q])
+            xa = w if small else xa
+            ya = w2 if small2 else ya
+            p += np.int64(small)
+            q += np.int64(small2)
+            xa, xb = xb, xa
+            ya, yb = yb, ya
+        i += RANS_BLOCK
+    return (_rans_finish(words1, freq1, cum1, slot2sym1, out1, i, xa, xb, p),
+            _rans_finish(words2, freq2, cum2, slot2sym2, out2, i, ya, yb, q))
 
 
 # ======================================================================== values

@@ -81,6 +81,11 @@ def leb128_decode(buf: np.ndarray) -> np.ndarray:
     b = np.ascontiguousarray(buf, dtype=np.uint8)
     if b.size == 0:
         return np.empty(0, dtype=_U64)
+    if _k.HAVE_NUMBA:  # one compiled pass; on a bad varint the numpy checks below name it
+        out = np.empty(b.size, dtype=_U64)
+        k, end = _k.leb128_parse(b, 0, b.size, out)
+        if k >= 0 and end == b.size:
+            return out[:k]
     if b[-1] & 0x80:
         raise PositionsError("varint stream ends inside a varint (truncated)")
     ends = np.flatnonzero((b & 0x80) == 0)
@@ -206,6 +211,12 @@ class Reader:
             raise PositionsError(f"{what}: {n} varints cannot fit in {self.left} bytes")
         if n == 0:
             return np.empty(0, dtype=_U64)
+        if _k.HAVE_NUMBA:  # one compiled pass (most calls read one varint); errors: below
+            out = np.empty(n, dtype=_U64)
+            k, end = _k.leb128_parse(self.buf, self.pos, n, out)
+            if k == n:
+                self.pos = int(end)
+                return out
         window = self.buf[self.pos:self.pos + min(self.left, _MAX_VARINT_BYTES * n)]
         ends = np.flatnonzero((window & 0x80) == 0)
         if ends.size < n:
@@ -350,34 +361,72 @@ def _rans_stream(freq: np.ndarray, words: np.ndarray) -> bytes:
     return head + words.tobytes()
 
 
+class RansStream:
+    """A rANS stream whose model and words have been read (`read`), ready to decode."""
+
+    __slots__ = ("what", "dtype", "alphabet", "only", "words", "freq", "cum", "slot2sym")
+
+    @classmethod
+    def read(cls, r: Reader, max_alphabet: int, what: str, out_dtype) -> RansStream:
+        """Parse and check the stream at the reader's cursor (everything but its symbols)."""
+        self = cls()
+        self.what, self.dtype = what, np.dtype(out_dtype)
+        self.alphabet = alphabet = r.varint(f"{what} alphabet size", max_alphabet)
+        if alphabet < 1:
+            raise PositionsError(f"{what}: empty alphabet")
+        freq = r.varints(alphabet, f"{what} frequencies")
+        if np.any(freq > _U64(RANS_SCALE)) or int(freq.sum(dtype=_U64)) != RANS_SCALE:
+            raise PositionsError(f"{what}: frequencies do not sum to {RANS_SCALE}")
+        nwords = r.varint(f"{what} word count", r.left // 2)
+        nonzero = np.flatnonzero(freq)
+        self.only = int(nonzero[0]) if nonzero.size == 1 else None  # a stream of one symbol
+        if self.only is not None:
+            if nwords:
+                raise PositionsError(f"{what}: a one-symbol stream carries no words")
+            self.words = None
+            return self
+        if nwords < 4:
+            raise PositionsError(f"{what}: malformed rANS stream ({nwords} words)")
+        self.words = r.take(2 * nwords, f"{what} words").view("<u2")
+        self.freq = freq.astype(np.int64)
+        self.cum = np.zeros(alphabet, np.int64)
+        np.cumsum(self.freq[:-1], out=self.cum[1:])
+        self.slot2sym = np.repeat(np.arange(alphabet, dtype=out_dtype), self.freq)
+        return self
+
+    def model(self) -> tuple:
+        return self.words, self.freq, self.cum, self.slot2sym
+
+    def decode(self, m: int) -> np.ndarray:
+        """The m symbols of the stream."""
+        if self.only is not None:
+            return np.full(m, self.only, dtype=self.dtype)
+        sym = np.empty(m, dtype=self.dtype)
+        self.check(_k.rans_decode(*self.model(), sym))
+        return sym
+
+    def check(self, status: int) -> None:
+        """Raise for a decoder status (kernels.rans_decode) other than 0."""
+        if status:
+            why = {-1: "bad initial state", -2: "words run out",
+                   -3: "stream does not end where its symbols do"}.get(status, "corrupt")
+            raise PositionsError(f"{self.what}: corrupt rANS stream ({why})")
+
+
 def decode_rans(r: Reader, m: int, max_alphabet: int, what: str, out_dtype=np.int32) -> tuple[np.ndarray, int]:
     """(m symbols, alphabet size) from a rANS stream at the reader's cursor."""
-    alphabet = r.varint(f"{what} alphabet size", max_alphabet)
-    if alphabet < 1:
-        raise PositionsError(f"{what}: empty alphabet")
-    freq = r.varints(alphabet, f"{what} frequencies")
-    if np.any(freq > _U64(RANS_SCALE)) or int(freq.sum(dtype=_U64)) != RANS_SCALE:
-        raise PositionsError(f"{what}: frequencies do not sum to {RANS_SCALE}")
-    nwords = r.varint(f"{what} word count", r.left // 2)
-    nonzero = np.flatnonzero(freq)
-    if nonzero.size == 1:
-        if nwords:
-            raise PositionsError(f"{what}: a one-symbol stream carries no words")
-        return np.full(m, nonzero[0], dtype=out_dtype), alphabet
-    if nwords < 4:
-        raise PositionsError(f"{what}: malformed rANS stream ({nwords} words)")
-    words = r.take(2 * nwords, f"{what} words").view("<u2")
-    freq = freq.astype(np.int64)
-    cum = np.zeros(alphabet, np.int64)
-    np.cumsum(freq[:-1], out=cum[1:])
-    slot2sym = np.repeat(np.arange(alphabet, dtype=out_dtype), freq)
-    sym = np.empty(m, dtype=out_dtype)
-    status = _k.rans_decode(words, freq, cum, slot2sym, sym)
-    if status:
-        why = {-1: "bad initial state", -2: "words run out",
-               -3: "stream does not end where its symbols do"}.get(status, "corrupt")
-        raise PositionsError(f"{what}: corrupt rANS stream ({why})")
-    return sym, alphabet
+    st = RansStream.read(r, max_alphabet, what, out_dtype)
+    return st.decode(m), st.alphabet
+
+
+def decode_rans_pair(a: RansStream, b: RansStream, m: int) -> tuple[np.ndarray, int, np.ndarray, int]:
+    """(symbols, status) of both streams, m symbols each, decoded in one compiled pass
+    (`kernels.rans_decode2`: their dependency chains overlap); both must carry words.
+    The caller raises `a.check(status_a)`, `b.check(status_b)` where its own order wants."""
+    sa = np.empty(m, dtype=a.dtype)
+    sb = np.empty(m, dtype=b.dtype)
+    st_a, st_b = _k.rans_decode2(*a.model(), sa, *b.model(), sb)
+    return sa, int(st_a), sb, int(st_b)
 
 
 # ================================================================ gaps_rans
@@ -476,23 +525,39 @@ def gaps_parts(positions: np.ndarray) -> GapsParts:
 
 def decode_gaps_rans(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
     """Positions (uint64) from a raw `gaps_rans` section; validated against count and numel."""
-    if count == 0:
-        raise PositionsError("a 'gaps_rans' section needs at least one position")
-    rd = Reader(raw)
-    r = rd.varint("gaps shift", 63)
-    esc = _SYMBOL_CAP_POSITIONS - 1
-    sym, alphabet = decode_rans(rd, count, _SYMBOL_CAP_POSITIONS, "gaps quotients", np.uint8)
-    low = rd.take((count * r + 7) // 8, "gaps low bits")
-    nesc = int(np.count_nonzero(sym == esc)) if alphabet == _SYMBOL_CAP_POSITIONS else 0
-    excess = rd.varints(nesc, "gaps escaped quotients")
-    rd.done("gaps section")
-    if np.any(excess > _U64(MAX_NUMEL)):
-        raise PositionsError("gaps escaped quotient beyond 2**63")
-    out = np.empty(count, np.int64)
-    status = _k.gaps_join(sym, esc if alphabet == _SYMBOL_CAP_POSITIONS else -1, r, low,
-                          excess.astype(np.int64), numel - 1, out)
-    if status:
-        why = {-1: "truncated low bits", -2: "packed bits: non-zero padding",
-               -3: "escape count mismatch", -4: "gap beyond 2**63"}.get(status, f"position >= numel {numel}")
-        raise PositionsError(why)
-    return out.view(_U64)
+    g = GapsReader(raw, count)
+    return g.positions(g.stream.decode(count), numel)
+
+
+class GapsReader:
+    """A `gaps_rans` section read up to its rANS stream's symbols (`RansStream`), so that
+    the codec can decode them together with the values' stream (`decode_rans_pair`);
+    `positions` then checks and joins the rest."""
+
+    __slots__ = ("rd", "count", "shift", "stream")
+
+    def __init__(self, raw: bytes | memoryview, count: int):
+        if count == 0:
+            raise PositionsError("a 'gaps_rans' section needs at least one position")
+        self.rd = Reader(raw)
+        self.count = count
+        self.shift = self.rd.varint("gaps shift", 63)
+        self.stream = RansStream.read(self.rd, _SYMBOL_CAP_POSITIONS, "gaps quotients", np.uint8)
+
+    def positions(self, sym: np.ndarray, numel: int) -> np.ndarray:
+        """Positions (uint64) given the stream's `count` symbols."""
+        rd, count, r = self.rd, self.count, self.shift
+        esc = _SYMBOL_CAP_POSITIONS - 1 if self.stream.alphabet == _SYMBOL_CAP_POSITIONS else -1
+        low = rd.take((count * r + 7) // 8, "gaps low bits")
+        nesc = int(np.count_nonzero(sym == esc)) if esc >= 0 else 0
+        excess = rd.varints(nesc, "gaps escaped quotients")
+        rd.done("gaps section")
+        if np.any(excess > _U64(MAX_NUMEL)):
+            raise PositionsError("gaps escaped quotient beyond 2**63")
+        out = np.empty(count, np.int64)
+        status = _k.gaps_join(sym, esc, r, low, excess.astype(np.int64), numel - 1, out)
+        if status:
+            why = {-1: "truncated low bits", -2: "packed bits: non-zero padding",
+                   -3: "escape count mismatch", -4: "gap beyond 2**63"}.get(status, f"position >= numel {numel}")
+            raise PositionsError(why)
+        return out.view(_U64)

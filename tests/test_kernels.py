@@ -16,9 +16,11 @@ from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.placement import Piece
 from nemo_dcr.positions import (
     PositionsError,
+    RansStream,
     Reader,
     decode_gaps_rans,
     decode_rans,
+    decode_rans_pair,
     encode_gaps_rans,
     encode_rans,
     encode_rans_pair,
@@ -133,6 +135,94 @@ def test_rans_pair_gives_the_two_single_streams():
     assert encode_rans_pair(s1, c1, mapped, c2) == (encode_rans(s1, c1), encode_rans(mapped, c2))
     one = np.zeros(n, np.int32)
     assert encode_rans_pair(s1, c1, one, np.array([n])) == (encode_rans(s1, c1), encode_rans(one, np.array([n])))
+
+
+def _stream(sym, dtype):
+    return RansStream.read(Reader(encode_rans(sym, np.bincount(sym))), 1024, "t", dtype)
+
+
+def test_rans_pair_decode_gives_the_two_single_decodes():
+    """kernels.rans_decode2 (compiled and as Python): the symbols and statuses of two
+    rans_decode calls, on intact streams and on damaged ones (flipped or missing words,
+    the wrong symbol count), whichever stream fails; decode_rans_pair raises the same
+    errors as the single decodes."""
+    rng = np.random.default_rng(9)
+    n = 5000
+    s1 = (rng.geometric(0.2, n).clip(max=200) - 1).astype(np.int32)
+    s2 = (rng.random(n) < 0.3).astype(np.int32)
+    a, b = _stream(s1, np.uint8), _stream(s2, np.int16)
+    sa, st_a, sb, st_b = decode_rans_pair(a, b, n)
+    assert (st_a, st_b) == (0, 0)
+    np.testing.assert_array_equal(sa, s1)
+    np.testing.assert_array_equal(sb, s2)
+
+    def single(stream, words, m):
+        out = np.zeros(m, stream.dtype)
+        return kernels.rans_decode(words, stream.freq, stream.cum, stream.slot2sym, out), out
+
+    statuses = set()
+    for i in range(300):
+        wa, wb, m = a.words.copy(), b.words.copy(), n + int(rng.integers(-2, 3)) * (i % 5 == 0)
+        for w in ((wa,), (wb,), (wa, wb))[i % 3]:
+            if i % 7 == 6:
+                w = w[:int(rng.integers(0, w.size))]  # truncated
+                wa, wb = (w, wb) if i % 3 == 0 else (wa, w)
+            else:
+                for _ in range(int(rng.integers(1, 3))):
+                    w[int(rng.integers(0, w.size))] ^= np.uint16(1 << int(rng.integers(0, 16)))
+        want = [single(a, wa, m), single(b, wb, m)]
+        for fn in (kernels.rans_decode2, kernels.rans_decode2.py_func):
+            oa, ob = np.zeros(m, np.uint8), np.zeros(m, np.int16)
+            got = fn(wa, a.freq, a.cum, a.slot2sym, oa, wb, b.freq, b.cum, b.slot2sym, ob)
+            assert tuple(int(x) for x in got) == (want[0][0], want[1][0])
+            for (_, ref), out in zip(want, (oa, ob)):  # up to a failure, the same symbols too
+                np.testing.assert_array_equal(out, ref)
+        statuses.update((want[0][0], want[1][0]))
+        for stream, words, status in ((a, wa, want[0][0]), (b, wb, want[1][0])):
+            if status:
+                with pytest.raises(PositionsError) as single_err:
+                    stream.check(status)
+                stream.words = words
+                with pytest.raises(PositionsError) as err:
+                    stream.decode(m)
+                assert str(err.value) == str(single_err.value)
+        a.words, b.words = _stream(s1, np.uint8).words, _stream(s2, np.int16).words
+    assert {0, -1, -2, -3} <= statuses
+
+
+@pytest.mark.parametrize("part", ["positions", "values"])
+def test_paired_record_decode_rejects_like_the_single_decodes(monkeypatch, part):
+    """A record decoded with its two rANS streams in one pass is rejected with the same
+    reason as one decoded stream by stream."""
+    rng = np.random.default_rng(4)
+    pos = np.flatnonzero(rng.random(200_000) < 0.03).astype(np.uint64)
+    vals = np.where(rng.random(pos.size) < 0.5, 1, 0xFFFF).astype(np.uint16)
+    data = codec.encode(Payload(HDR, [Record("w", "BF16", (200_000,), Op.ADD, pos, vals)]))
+    assert pos.size >= codec._PAIR_MIN and b"symbols_rans" in data and b"gaps_rans" in data
+    out = codec.decode(data).records[0]
+    np.testing.assert_array_equal(out.positions, pos)
+    np.testing.assert_array_equal(out.values, vals)
+    reasons = []
+    for i in range(60):
+        def damage(b, i=i):
+            r = np.random.default_rng(i)
+            if i % 4 == 3:
+                return b[:int(r.integers(0, len(b)))]
+            for _ in range(int(r.integers(1, 4))):
+                b[int(r.integers(0, len(b)))] ^= 1 << int(r.integers(0, 8))
+            return b
+        bad = _resealed(data, part, damage)
+        got = []
+        for pair_min in (codec._PAIR_MIN, 1 << 62):
+            monkeypatch.setattr(codec, "_PAIR_MIN", pair_min)
+            try:
+                codec.decode(bad)
+                got.append(None)
+            except PayloadRejected as e:
+                got.append(e.reason)
+        assert got[0] == got[1]
+        reasons.append(got[0])
+    assert sum(r is not None for r in reasons) > 30
 
 
 # -------------------------------------------------------------- placement
@@ -251,8 +341,8 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     d_compiled = _diff_compiled(a, b)
     placed_compiled = piece.canonical_index(local)
     for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
-                 "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "histogram", "nonzero_bins",
-                 "map_symbols", "lookup"):
+                 "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
+                 "histogram", "nonzero_bins", "map_symbols", "lookup"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
