@@ -144,6 +144,30 @@ def test_apply_is_bit_exact_and_revert_restores(checkpoints, family, op):
         rt.revert(log)
 
 
+def test_plans_are_kept_until_the_storage_changes(checkpoints, monkeypatch):
+    """The loader runs once per tensor, not once per apply; a parameter rebound to new
+    storage drops every plan, and the next apply lands in the new storage, bit-exact."""
+    rt = receiver(checkpoints, "llama")
+    loads, real = [], rt._load
+    monkeypatch.setattr(rt, "_load", lambda tensors: (loads.append(sorted(tensors)), real(tensors))[1])
+    v0 = bits(rt)
+    v1 = perturb(v0, seed=3)
+    v2 = perturb(v1, seed=4)
+    rt.apply(records_for(rt, v0, v1, Op.ADD))
+    planned = len(loads)
+    assert planned >= 1
+    recs = records_for(rt, v1, v2, Op.XOR)
+    rt.apply(recs)
+    assert len(loads) == planned  # same tensors, same storage: no loader run
+    assert_bits(rt, v2)
+    param = dict(rt.model.named_parameters())[recs[0].name]
+    param.data = param.data.clone()  # rebound: the kept plans point at the old storage
+    v3 = perturb(v2, seed=5)
+    rt.apply(records_for(rt, v2, v3, Op.ADD))
+    assert len(loads) > planned
+    assert_bits(rt, v3)
+
+
 @pytest.mark.parametrize("family,expert", [
     ("qwen3_moe", "model.layers.1.mlp.experts.{e}.{p}_proj.weight"),
     ("mixtral", "model.layers.1.block_sparse_moe.experts.{e}.{p}.weight"),

@@ -175,6 +175,11 @@ class HFRuntime(NativeLoaderAdapter):
             raise ApplyError(f"{name}: the model's state_dict does not contain it")
         return views[name]
 
+    def _loaders(self) -> tuple:
+        # what can change `load_state_dict` without changing storage: the modules' load hooks
+        return tuple((id(m), tuple(m._load_state_dict_pre_hooks.values()),
+                      tuple(m._load_state_dict_post_hooks.values())) for m in self.model.modules())
+
     def _refresh(self) -> None:
         self._live = {}  # parameters may have moved or been replaced since the last call
 

@@ -31,7 +31,9 @@ raw old bits of the written regions to undo.
 
 Limits: copies are traced by storage identity only through views of the scratch (a
 `.clone()`/`.contiguous()` of a non-contiguous view counts as a transformation);
-overlap between two canonical tensors is only seen when both are in the same call;
+plans are kept while the model's storage and loaders stay the same (the loader runs
+once per tensor, not once per apply), and overlap between two canonical tensors is
+checked over every plan kept, so it is seen once both have been planned, in any calls;
 a loader that replaces parameter storage (assign=True, swap_tensors) is refused.
 Every storage `_destinations` names counts as model storage. A concrete adapter
 (see `nemo_dcr.runtimes.hf`) supplies `_load`, `_destinations`, `catalog` and
@@ -230,6 +232,13 @@ class _Restore:
             dtypes.bits_of(dst.detach()).copy_(old)
 
 
+def _strictly_increasing(pos: np.ndarray) -> bool:
+    """Whether unsigned positions (< 2**63) strictly increase: one compiled pass when it can."""
+    if kernels.HAVE_NUMBA and pos.itemsize == 8 and pos.flags.c_contiguous and int(pos[-1]) < 1 << 63:
+        return kernels.strictly_increasing_below(pos.view(np.int64), (1 << 63) - 1) == 0
+    return not np.any(pos[1:] <= pos[:-1])
+
+
 class _Interceptor(TorchDispatchMode):
     """Records copies into model storage instead of running them; refuses other writes."""
 
@@ -289,6 +298,12 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         Everything listed here counts as model storage: only intercepted copies may
         write it. Compared before and after each load to catch replaced storage.
         """
+
+    def _loaders(self) -> tuple:
+        """The objects that decide what the loader does beyond the model's storage (for
+        example per-parameter loader functions), compared by identity: plans are kept while
+        these and the storage stay the same. Override where a runtime lets them change."""
+        return ()
 
     def _canonical_tensor(self, name: str) -> torch.Tensor:
         """The runtime's current tensor for canonical `name` (override to cache)."""
@@ -377,20 +392,35 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise ApplyError(f"{where}: values must be a 1-D array of <u{itemsize}")
         if pos.shape != vals.shape:
             raise ApplyError(f"{where}: {pos.shape[0]} positions but {vals.shape[0]} values")
-        if pos.size and (pos[-1] >= r.numel or np.any(pos[1:] <= pos[:-1])):
+        if pos.size and (pos[-1] >= r.numel or not _strictly_increasing(pos)):
             bad = "out of range" if pos[-1] >= r.numel else "not strictly increasing"
             raise ApplyError(f"{where}: positions {bad} (numel {r.numel})")
 
     def _plan(self, names: set[str]) -> dict[str, _Plan]:
-        """Run the loader once for all names; one at a time when copies are ambiguous."""
+        """Plans for `names`: run the loader once for those not planned yet (one at a time
+        when copies are ambiguous).
+
+        Plans are kept while the model's storage and loaders are the same (`_destinations`,
+        `_loaders`, per scratch device): a loader's copy geometry is fixed for a model, and rerunning it on every
+        apply cost ~10 ms per payload, most of a refit's pause. Overlap checks run over
+        every plan kept, so two tensors writing one region are caught even when they
+        arrive in different payloads."""
         if not names:
             return {}
-        plans = self._plan_batch(sorted(names))
-        if plans is None:
-            plans = {}
-            for name in sorted(names):
-                plans.update(self._plan_batch([name]))
-        return plans
+        layout = (str(self.scratch_device), self._destinations(), self._loaders())
+        if getattr(self, "_plans_layout", None) != layout:
+            self._plans: dict[str, _Plan] = {}
+            self._plans_layout = layout
+        missing = sorted(names - self._plans.keys())
+        if missing:
+            plans = self._plan_batch(missing)
+            if plans is None:
+                plans = {}
+                for name in missing:
+                    plans.update(self._plan_batch([name]))
+            self._plans.update(plans)
+            self._mark_overlaps(self._plans)
+        return {n: self._plans[n] for n in names}
 
     def _scratch(self, name: str) -> torch.Tensor:
         dtype_name, shape = self.catalog()[name]
@@ -553,16 +583,17 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         op = Op(record.op)
         bits = dtypes.bits_of(copy.dst.detach())
         device = bits.device
-        if ("pos", device) not in cache:
-            cache["pos", device] = _positions(record, device)
-            cache["vals", device] = _torch_bits(record.values, plan.dtype).to(device)
-        pos, vals = cache["pos", device], cache["vals", device]
         if plan.identity and device.type == "cpu" and kernels.HAVE_NUMBA and bits.is_contiguous():
             # sparse, compiled: one pass over the record on the unsigned view of the storage
+            # (the record's own arrays: no torch copies of positions or values)
             flat = bits.view(-1).numpy().view(np.dtype(f"<u{bits.element_size()}"))
             kernels.scatter_apply(flat, record.positions, np.asarray(record.values, dtype=flat.dtype),
                                   {Op.XOR: 0, Op.ADD: 1, Op.OVERWRITE: 2}[op])
             return
+        if ("pos", device) not in cache:
+            cache["pos", device] = _positions(record, device)
+            cache["vals", device] = _torch_bits(record.values, plan.dtype).to(device)
+        pos, vals = cache["pos", device], cache["vals", device]
         if plan.identity:  # sparse: touch only the record's positions
             flat = bits.view(-1)
             if op is Op.XOR:

@@ -183,6 +183,11 @@ class VLLMRuntime(NativeLoaderAdapter):
                 out.setdefault(storage_key(p), f"{prefix.get(layer, '?')}.{pname} (loader format)")
         return out
 
+    def _loaders(self) -> tuple:
+        # vLLM's extension point: each parameter's `weight_loader` may be replaced at run time
+        params = list(self.model.parameters()) + [p for ps in self._kept.values() for p in ps.values()]
+        return tuple(getattr(p, "weight_loader", None) for p in params)
+
     def _swap_in(self) -> list[tuple[torch.nn.Module, str, object]]:
         saved = []
         for layer, params in self._kept.items():
