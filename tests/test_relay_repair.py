@@ -120,6 +120,12 @@ def test_relay_killed_during_a_transfer_leaves_its_subtree_complete(tmp_path):
             first, rest = dict(list(blobs.items())[:8]), dict(list(blobs.items())[8:])
             for pid, blob in first.items():
                 prod.send(info("t1"), pid, blob)
+            # Kill rx2 only once it staged a payload: its parent's link to it is then up, so
+            # the loss is seen as a lost connection, not as a node that never answered.
+            deadline = time.monotonic() + TIMEOUT
+            while ("t1", next(iter(first))) in prod.in_flight:
+                assert time.monotonic() < deadline, "the first payload was never staged everywhere"
+                prod._turn(0.05)
             cluster.kill_node(2)
             for pid, blob in rest.items():
                 prod.send(info("t1"), pid, blob)
