@@ -166,16 +166,17 @@ def diff16(a, b, i0, base, pos, new, v1, v2, mode, n0):
     i0 (a multiple of 128) up to the last whole block; the caller diffs the tail.
 
     For every element that differs, in order, writes base + index into `pos` (int64, or
-    int32 when base + len(a) < 2**31: half the stores), its new bits into `new` and, by
-    `mode` (DIFF_*), its committed bits, xor and/or wrapping difference into v1 / v2
-    (arrays of a's dtype; unused ones may be empty), from slot n0.
+    int32 when base + len(a) < 2**31), its new bits into `new` and, by `mode` (DIFF_*),
+    its committed bits, xor and/or wrapping difference into v1 / v2 (arrays of a's dtype;
+    unused ones may be empty), from slot n0. Slots past the last one written may be
+    overwritten too (up to a block beyond it): the buffers need DIFF_BLOCK slots of room.
 
     Compiled, a block costs four 32-lane compares (512-bit loads of both inputs) and one
-    branch; a block that differs anywhere is written with compress-stores (AVX-512 VBMI2),
-    32 elements at a time, with no branch per element or word: a few instructions per 32
-    elements whatever the change rate. Returns (n, i): the slots used and the next element
-    to scan (< the last whole block when the buffers were full; call again with larger
-    buffers)."""
+    branch; a block that differs anywhere is written 32 elements at a time with AVX-512
+    (VBMI2) compresses into a register and one full-width store each, with no branch per
+    element or word: a few instructions per 32 elements whatever the change rate. Returns
+    (n, i): the slots used and the next element to scan (< the last whole block when the
+    buffers were full; call again with larger buffers)."""
     cap = pos.size
     n = n0
     i = i0
@@ -833,12 +834,18 @@ if _numba is not None:
                 mod = builder.module
                 m = builder.bitcast(mask_, vmask)
 
-                def compress_store(vec, ptr):
+                def compress_store(vec, ptr, mask=None, lanes=_LANES):
+                    # Register-form compress + one full-width unaligned store: the memory
+                    # form (llvm.masked.compressstore) is microcoded and several times slower.
+                    # The lanes past the compressed ones land in slots the next step (or
+                    # the caller's slack: the buffers have a block of room) overwrites.
                     vt = vec.type
-                    fnty = _ir.FunctionType(_ir.VoidType(), [vt, vt.element.as_pointer(), vmask])
-                    name = f"llvm.masked.compressstore.v{_LANES}i{vt.element.width}"
+                    mt = _ir.VectorType(_ir.IntType(1), lanes)
+                    fnty = _ir.FunctionType(vt, [vt, vt, mt])
+                    name = f"llvm.x86.avx512.mask.compress.v{lanes}i{vt.element.width}"
                     fn = _cg.get_or_insert_function(mod, fnty, name)
-                    builder.call(fn, [vec, ptr, m])
+                    packed = builder.call(fn, [vec, _ir.Constant(vt, None), m if mask is None else mask])
+                    builder.store(packed, builder.bitcast(ptr, vt.as_pointer()), align=1)
 
                 va = builder.load(builder.bitcast(_data(context, builder, ta, a_, i_), v16.as_pointer()), align=2)
                 vb = builder.load(builder.bitcast(_data(context, builder, tb, b_, i_), v16.as_pointer()), align=2)
@@ -856,7 +863,21 @@ if _numba is not None:
                 splat = builder.shuffle_vector(splat, _ir.Constant(vpos, _ir.Undefined),
                                                _ir.Constant(_ir.VectorType(_ir.IntType(32), _LANES), [0] * _LANES))
                 iota = _ir.Constant(vpos, [_ir.Constant(ipos, k) for k in range(_LANES)])
-                compress_store(builder.add(splat, iota), _data(context, builder, tpos, pos_, n_))
+                allpos = builder.add(splat, iota)
+                # 32 positions are two 16-lane vectors of int32 (four of int64): compress
+                # each quarter or half with its slice of the mask, one after the other.
+                per = 512 // ipos.width
+                lanes_i = _ir.IntType(_LANES)
+                at = n_
+                for q in range(_LANES // per):
+                    part = builder.shuffle_vector(allpos, _ir.Constant(vpos, _ir.Undefined), _ir.Constant(
+                        _ir.VectorType(_ir.IntType(32), per), list(range(q * per, (q + 1) * per))))
+                    bits = builder.trunc(builder.lshr(mask_, _ir.Constant(lanes_i, q * per)), _ir.IntType(per))
+                    compress_store(part, _data(context, builder, tpos, pos_, at),
+                                   builder.bitcast(bits, _ir.VectorType(_ir.IntType(1), per)), per)
+                    ctq = _cg.get_or_insert_function(mod, _ir.FunctionType(_ir.IntType(per), [_ir.IntType(per)]),
+                                                     f"llvm.ctpop.i{per}")
+                    at = builder.add(at, builder.zext(builder.call(ctq, [bits]), i64))
                 ctpop = _cg.get_or_insert_function(mod, _ir.FunctionType(_ir.IntType(_LANES), [_ir.IntType(_LANES)]),
                                                    f"llvm.ctpop.i{_LANES}")
                 return builder.add(n_, builder.zext(builder.call(ctpop, [mask_]), i64))
