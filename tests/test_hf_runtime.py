@@ -6,6 +6,7 @@ intended new bits; the runtime's tensors are compared on their integer views.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -23,6 +24,7 @@ from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.runtimes.hf import HFRuntime
+from nemo_dcr.runtimes.intercept import _Restore
 from tests.support.records import records_for as records_for_catalog
 
 transformers = pytest.importorskip("transformers")
@@ -322,7 +324,7 @@ def test_transforming_loader_fails_closed_for_deltas(checkpoints, transform):
         assert_bits(rt, old)
     # overwrite falls back to a dense load through the loader, verified bit for bit
     log = rt.apply(records_for(rt, old, new, Op.OVERWRITE))
-    assert any(not isinstance(s, Record) for s in log.steps)
+    assert any(isinstance(s, _Restore) for s in log.steps)  # the dense load's undo
     assert_bits(rt, new)
     rt.revert(log)
     assert_bits(rt, old)
@@ -536,7 +538,7 @@ def test_custom_loaders_property(toy, data, op):
         new[name][pos] = np.array(vals, dtype=new[name].dtype)
     log = rt.apply(records_for(rt, old, new, op))
     assert_bits(rt, new)
-    assert all(isinstance(s, Record) for s in log.steps)  # exact path, no dense fallback
+    assert not any(isinstance(s, _Restore) for s in log.steps)  # exact path, no dense fallback
     rt.revert(log)
     assert_bits(rt, old)
 
@@ -643,3 +645,25 @@ def test_add_wraps_at_every_width(toy):
         assert (got[r.name] == expect).all(), r.name
     rt.revert(log)
     assert_bits(rt, old)
+
+
+def test_kept_plans_follow_load_hooks_and_replaced_modules(checkpoints, monkeypatch):
+    """The layout check behind kept plans (`module_fingerprint`) sees a new load hook and
+    a submodule swapped for a copy: both replan, and the copy receives the bits."""
+    rt = receiver(checkpoints, "llama")
+    loads, real = [], rt._load
+    monkeypatch.setattr(rt, "_load", lambda tensors: (loads.append(sorted(tensors)), real(tensors))[1])
+    v0 = bits(rt)
+    v1 = perturb(v0, seed=6)
+    rt.apply(records_for(rt, v0, v1, Op.XOR))
+    planned = len(loads)
+    rt.model.model.norm.register_load_state_dict_post_hook(lambda module, keys: None)
+    v2 = perturb(v1, seed=7)
+    rt.apply(records_for(rt, v1, v2, Op.XOR))
+    assert len(loads) > planned
+    planned = len(loads)
+    rt.model.model.layers[0].mlp = copy.deepcopy(rt.model.model.layers[0].mlp)
+    v3 = perturb(v2, seed=8)
+    rt.apply(records_for(rt, v2, v3, Op.ADD))
+    assert len(loads) > planned
+    assert_bits(rt, v3)

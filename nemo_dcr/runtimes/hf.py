@@ -29,7 +29,7 @@ from nemo_dcr import dtypes
 from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes.base import Catalog
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, module_storages, storage_key
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, module_fingerprint, module_storages, storage_key
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,9 @@ class HFRuntime(NativeLoaderAdapter):
             raise ApplyError(f"{name}: the model's state_dict does not contain it")
         return views[name]
 
-    def _loaders(self) -> tuple:
-        # what can change `load_state_dict` without changing storage: the modules' load hooks
-        return tuple((id(m), tuple(m._load_state_dict_pre_hooks.values()),
-                      tuple(m._load_state_dict_post_hooks.values())) for m in self.model.modules())
+    def _layout(self) -> tuple:
+        # storage, and what can change `load_state_dict` without changing it: the load hooks
+        return module_fingerprint(self.model)
 
     def _refresh(self) -> None:
         self._live = {}  # parameters may have moved or been replaced since the last call

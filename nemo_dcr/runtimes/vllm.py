@@ -48,7 +48,8 @@ from nemo_dcr.records import Record
 from nemo_dcr.runtimes.base import Catalog, UndoLog
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, _Restore, _View, _written, module_storages, storage_key
+from nemo_dcr.runtimes.intercept import (NativeLoaderAdapter, _Restore, _View, _written, module_fingerprint,
+                                         module_storages, storage_key)
 from nemo_dcr.verify import state_digests
 
 _log = logging.getLogger("nemo_dcr.vllm")
@@ -183,10 +184,12 @@ class VLLMRuntime(NativeLoaderAdapter):
                 out.setdefault(storage_key(p), f"{prefix.get(layer, '?')}.{pname} (loader format)")
         return out
 
-    def _loaders(self) -> tuple:
-        # vLLM's extension point: each parameter's `weight_loader` may be replaced at run time
-        params = list(self.model.parameters()) + [p for ps in self._kept.values() for p in ps.values()]
-        return tuple(getattr(p, "weight_loader", None) for p in params)
+    def _layout(self) -> tuple:
+        # storage and vLLM's extension point, each parameter's `weight_loader` (it may be
+        # replaced at run time), for the model and the kept loader-format parameters
+        kept = tuple((storage_key(p), getattr(p, "weight_loader", None))
+                     for ps in self._kept.values() for p in ps.values())
+        return module_fingerprint(self.model), kept
 
     def _swap_in(self) -> list[tuple[torch.nn.Module, str, object]]:
         saved = []
