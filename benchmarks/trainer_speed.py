@@ -8,7 +8,7 @@ Set-up: 4 row-parallel BF16 weights of 4096 x 4096 (64M elements, 128 MiB; --smo
 4 x 512 x 512), each placed by a strided piece into a 4096 x 8192 canonical tensor (TP
 rank 0 of 2), as Megatron lays out a row-parallel linear. At each change rate, random
 elements move by +-1 ULP; the producer diffs them against its committed baseline, places
-the changes, encodes payloads (format v3) and hands them to a transport end that only
+the changes, encodes payloads (the current wire format) and hands them to a transport end that only
 counts bytes. Throughput is bytes of the BF16 weights scanned per second of producer time
 (diff + place + encode), best of --repeats; memcpy is np.copyto of the same 128 MiB, best
 of 3 before each refit (the best of all of them is reported), measured in the same

@@ -1,4 +1,5 @@
-"""Compiled single-pass kernels for the trainer hot path and the rANS coder of format v3.
+"""Compiled single-pass kernels for the trainer hot path and the rANS coder of the wire format
+(introduced in v3, unchanged in v4).
 
 Everything here is plain Python over numpy arrays, written so that numba can compile it
 (`numba.njit`). With numba installed (a dependency, see pyproject.toml) the kernels run

@@ -5,15 +5,17 @@ a memory blow-up or a written byte.
     python -m tests.fuzz_decoder --cases 2000 --seed 3   # what CI runs (tests/test_decoder_fuzz.py)
 
 A corpus of valid payloads (every encoding the encoder writes: sparse and dense,
-gap-coded and run-coded positions, rANS-coded and byte-plane values, xor / add /
-overwrite, several dtypes, signed and unsigned) is mutated in ways that reach every
+gap-coded and run-coded positions, rANS-coded and byte-plane values, stored and zstd
+sections, xor / add / overwrite, several dtypes, signed and unsigned; format v4, plus some
+of them as format v3, which the decoder still reads) is mutated in ways that reach every
 layer of the decoder:
 * raw damage: truncation, bit flips, byte runs overwritten, bytes inserted or deleted;
-* resealed damage (the checksum, and the HMAC where the fuzzer holds the key, are
-  recomputed after the change, as a forger would): a body byte changed, a header field
-  lied about (dtype, shape, count, op, lengths and offsets up to 2^62, record name,
-  versions, ids), a section swapped for one declaring a huge decompressed size (a
-  decompression bomb), positions pushed past the tensor's end;
+* resealed damage (the checksum of the payload's format version, and the HMAC where the
+  fuzzer holds the key, are recomputed after the change, as a forger would): a body byte
+  changed, a header field lied about (dtype, shape, count, op, lengths and offsets up to
+  2^62, the stored flag, record name, versions, ids), a section swapped for one declaring a
+  huge decompressed size (a decompression bomb), positions pushed past the tensor's end,
+  the format version changed;
 * forged signatures: a payload signed with another key, or with the signature stripped.
 Each mutated payload is decoded against a receiver's catalog and expected transfer, in
 this process, under an address-space limit (so a blow-up shows as MemoryError) and a
@@ -43,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,9 +87,28 @@ def corpus(seed: int = 0) -> list[tuple[bytes, bytes | None]]:
             names = ["a", "b"] if rate < 0.5 else ["c", "d"]
             recs = [_record(rng, n, op, rate) for n in names] + ([_record(rng, "e", op, rate)] if rate < 0.1 else [])
             for key in (None, KEY):
-                out.append((codec.encode(Payload(HEADER, recs), key=key), key))
+                data = codec.encode(Payload(HEADER, recs), key=key)
+                out.append((data, key))
+                if op is Op.XOR:
+                    out.append((as_v3(data, key), key))
     out.append((codec.encode(Payload(HEADER, []), key=None), None))
     return out
+
+
+def as_v3(data: bytes, key: bytes | None) -> bytes:
+    """A v4 payload as a v3 encoder wrote it: every stored section a zstd frame, a BLAKE2b trailer."""
+    _, flags, header, body = _split(data)
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    frames = []
+    for sec in (r[w] for r in header["records"] for w in ("positions", "values")):
+        if "offset" not in sec:
+            continue
+        frame = body[sec["offset"]:sec["offset"] + sec["length"]]
+        if sec.pop("stored", False):
+            frame = cctx.compress(frame)
+        sec["offset"], sec["length"] = sum(map(len, frames)), len(frame)
+        frames.append(frame)
+    return _seal(3, flags, header, b"".join(frames), key)
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -102,7 +124,8 @@ def _split(data: bytes):
 def _seal(version: int, flags: int, header: dict, body: bytes, key: bytes | None) -> bytes:
     hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     head = PREFIX.pack(b"NDCR", version, flags, len(hbytes)) + hbytes + body
-    out = head + hashlib.blake2b(head, digest_size=16).digest()
+    # v3's checksum for v3; v4's for v4 and for the versions a decoder must refuse anyway.
+    out = head + (hashlib.blake2b(head, digest_size=16).digest() if version == 3 else xxhash.xxh3_128_digest(head))
     if flags & 1:
         out += hmac.new(key or b"", out, hashlib.sha256).digest()
     return out
@@ -133,9 +156,9 @@ def _lie(rng: random.Random, header: dict) -> str:
         rec["name"] = rng.choice(["z", "a", "b", "", "../etc", "a" * 5000])
     elif choice in ("positions", "values"):
         sec = rec.get(choice) or {}
-        key = rng.choice(sorted(sec) or ["encoding"])
+        key = rng.choice(sorted(set(sec) | {"stored"}))  # "stored" also where the section has none
         sec[key] = rng.choice([*HUGE, "runs", "all", "dense", "gaps_rans", "symbols_rans", "planes", "nope",
-                               None, [], 3])
+                               None, [], 3, True, False])
         return f"record.{choice}.{key}"
     else:
         rec["surprise"] = 1
@@ -174,6 +197,7 @@ def _bomb(header: dict, body: bytes, rng: random.Random) -> tuple[dict, bytes, s
             if r[w] is not sec and r[w].get("offset", 0) > start:
                 r[w]["offset"] += delta
     sec["length"], sec["raw_length"] = len(frame), size
+    sec.pop("stored", None)  # the bomb is a zstd frame
     header["body_bytes"] = len(body)
     header["raw_bytes"] = sum(r[w].get("raw_length", 0) for r in recs for w in ("positions", "values"))
     return header, body, f"bomb-{which}-{size >> 20}MiB"
@@ -204,7 +228,8 @@ def mutate(data: bytes, key: bytes | None, rng: random.Random) -> tuple[bytes, b
         return bytes(b[:i] + b[i + rng.randint(1, 32):]), key, kind
     version, flags, header, body = _split(data)
     if kind == "version":
-        return _seal(rng.choice([0, 1, 2, 4, 65535]), flags, header, body, key), key, kind
+        others = [v for v in (0, 1, 2, 3, 4, 5, 65535) if v != version]  # 3 <-> 4: the other rules apply
+        return _seal(rng.choice(others), flags, header, body, key), key, kind
     if kind == "wrong-key":
         return _seal(version, flags | 1, header, body, b"another-key"), KEY, kind
     if kind == "strip-mac":

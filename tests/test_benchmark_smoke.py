@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from nemo_dcr import codec
 from tests.support.launch import REPO, worker_env
 
 
@@ -32,7 +33,7 @@ def _run(args, tmp_path, name):
 
 def test_codec_benchmark_smoke(tmp_path):
     res = _run(["benchmarks/codec.py"], tmp_path, "codec")
-    assert res["benchmark"] == "codec" and res["format_version"] == 3
+    assert res["benchmark"] == "codec" and res["format_version"] == codec.FORMAT_VERSION
     for row in res["synthetic"]:
         assert row["wire_bytes"] > 0 and row["bound_bytes"] > 0 and row["nemo_rl_bytes"] > 0
         assert row["op"] in ("xor", "add") and 0 < row["rate"] < 1

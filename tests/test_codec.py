@@ -1,4 +1,4 @@
-"""Wire codec v3: round trips, every rejection reason, and fuzzing (invariant 4)."""
+"""Wire codec v4 (and decoding v3): round trips, every rejection reason, and fuzzing (invariant 4)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import struct
 
 import numpy as np
 import pytest
+import xxhash
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -101,11 +102,18 @@ def split(data: bytes) -> tuple[int, dict, list[dict]]:
     return flags, header, secs
 
 
+def checksum(data: bytes, version=FORMAT_VERSION) -> bytes:
+    """The trailer checksum: BLAKE2b-128 in v3, XXH3-128 (canonical, big-endian) from v4 on."""
+    if version == 3:
+        return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest()
+    return xxhash.xxh3_128_digest(data)
+
+
 def assemble(hbytes: bytes, body: bytes, *, key=None, flags=None, magic=MAGIC, version=FORMAT_VERSION) -> bytes:
     if flags is None:
         flags = FLAG_HMAC if key is not None else 0
     out = struct.pack("<4sHHI", magic, version, flags, len(hbytes)) + hbytes + body
-    out += hashlib.blake2b(out, digest_size=CHECKSUM_BYTES).digest()
+    out += checksum(out, version)
     if key is not None:
         out += hmac.new(key, out, hashlib.sha256).digest()
     return out
@@ -133,9 +141,29 @@ def zc(raw: bytes, **kw) -> bytes:
     return zstandard.ZstdCompressor(level=1, **kw).compress(raw) if raw else b""
 
 
+def raw_of(meta: dict, frame: bytes) -> bytes:
+    """A section's raw bytes: a stored section is its raw bytes, the others one zstd frame."""
+    return frame if meta.get("stored") else zstandard.ZstdDecompressor().decompress(frame)
+
+
 def set_section(header, secs, i, part, raw: bytes, frame: bytes | None = None):
-    header["records"][i][part]["raw_length"] = len(raw)
-    secs[i][part] = zc(raw) if frame is None else frame
+    """Replace a section by `raw`, stored or compressed as the header says (or by `frame`)."""
+    meta = header["records"][i][part]
+    meta["raw_length"] = len(raw)
+    if frame is None:
+        frame = raw if meta.get("stored") else zc(raw)
+    secs[i][part] = frame
+
+
+def as_v3(data: bytes, key=None) -> bytes:
+    """The same payload in format v3, as a v3 encoder wrote it: every stored section becomes a
+    zstd frame (v3 has no "stored"), and the trailer is BLAKE2b-128."""
+    _, header, secs = split(data)
+    for r, s in zip(header["records"], secs):
+        for part in ("positions", "values"):
+            if r[part].pop("stored", False):
+                s[part] = zc(s[part], write_content_size=True)
+    return rejoin(header, secs, key=key, version=3)
 
 
 def sample() -> bytes:
@@ -309,9 +337,9 @@ def test_bad_magic_version_flags():
     e = reject(b"XDCR" + data[4:], "bad magic")
     assert e.payload_id is None
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=4), "unsupported format version 4 (this decoder reads 3)")
+    reject(rejoin(header, secs, version=5), "unsupported format version 5 (this decoder reads 3 and 4)")
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3)")
+    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3 and 4)")
     _, header, secs = split(data)
     reject(rejoin(header, secs, version=1), "unsupported format version 1")
     _, header, secs = split(data)
@@ -333,10 +361,26 @@ def test_truncated_body_names_the_payload():
 def test_checksum_mismatch():
     data = bytearray(sample())
     data[-CHECKSUM_BYTES - 3] ^= 0x40  # inside the body
-    reject(bytes(data), "checksum mismatch")
+    reject(bytes(data), "checksum mismatch (XXH3-128)")
     data = bytearray(sample())
     data[PREFIX_BYTES + 5] ^= 0x01  # inside the header
     reject(bytes(data), "checksum mismatch")
+    data = bytearray(sample())
+    data[-1] ^= 0x80  # inside the checksum itself
+    reject(bytes(data), "checksum mismatch (XXH3-128)")
+
+
+def test_checksum_is_xxh3_128_big_endian():
+    """v4's trailer: XXH3-128 (seed 0) of everything before it, in the canonical big-endian form."""
+    data = sample()
+    core, trailer = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
+    assert trailer == xxhash.xxh3_128_intdigest(core).to_bytes(16, "big") == xxhash.xxh3_128_digest(core)
+    # The reference test vector (xxHash's XXH3_128bits of empty input), as docs/wire-format.md states it.
+    assert xxhash.xxh3_128_digest(b"").hex() == "99aa06d3014798d86001c324468d497f"
+    # A BLAKE2b trailer (v3's) on a v4 payload is a mismatch, and the reverse.
+    reject(core + checksum(core, version=3), "checksum mismatch (XXH3-128)")
+    v3 = as_v3(data)
+    reject(v3[:-CHECKSUM_BYTES] + checksum(v3[:-CHECKSUM_BYTES]), "checksum mismatch (BLAKE2b-128)")
 
 
 def test_not_bytes():
@@ -381,6 +425,8 @@ def test_malformed_header_json():
     (lambda h: h["records"][0].update(shape=[0, 2**64]), "more than 2**63"),
     (lambda h: h["records"][0].update(count=True), "expected an integer"),
     (lambda h: h["records"][0]["positions"].update(encoding="bitmap"), "unknown position encoding"),
+    (lambda h: h["records"][0]["positions"].update(encoding=[]), "unknown position encoding []"),
+    (lambda h: h["records"][0]["values"].update(encoding={}), "unknown value encoding {}"),
     (lambda h: h["records"][0]["positions"].update(extra=0), "unknown field(s) ['extra']"),
     (lambda h: h["records"][0]["positions"].pop("raw_length"), "missing field(s) ['raw_length']"),
     (lambda h: h["records"][0]["values"].update(encoding="raw"), "unknown value encoding"),
@@ -652,7 +698,7 @@ def test_fuzz_bit_flips_and_truncations_only_reject():
             buf[j] ^= 1 << int(rng.integers(0, 8))
         core = bytes(buf[: len(data) - CHECKSUM_BYTES])
         try:
-            decode(core + hashlib.blake2b(core, digest_size=CHECKSUM_BYTES).digest())
+            decode(core + checksum(core))
             accepted += 1
         except PayloadRejected as e:
             # Every reason is a named check, never the catch-all for an internal error.
@@ -775,7 +821,7 @@ def test_gaps_beyond_2_32_and_2_62():
 @pytest.mark.parametrize("part, old, gone", [("positions", "gaps_rans", "gaps"),
                                              ("values", "symbols_rans", "symbols")])
 def test_v2_constriction_encodings_are_unknown(part, old, gone):
-    """v2's `gaps` / `symbols` (constriction-coded) are not part of v3: a payload naming
+    """v2's `gaps` / `symbols` (constriction-coded) are not part of v3 or v4: a payload naming
     them is rejected like any unknown encoding, by name, from the header alone."""
     data = encode(payload(ulp_record("w", 100_000, 0.02)))
     assert encodings(data) == [("gaps_rans", "symbols_rans")]
@@ -811,13 +857,13 @@ def _resealed_damage(data, trials, seed):
     _, header, secs = split(data)
     accepted = 0
     for i in range(trials):
-        # Damage the *raw* (decompressed) sections, recompress, reseal: exercises the
-        # gaps_rans / symbols_rans parsers themselves, not just zstd.
+        # Damage the *raw* sections (stored, or decompressed and recompressed), reseal:
+        # exercises the gaps_rans / symbols_rans parsers themselves, not just zstd.
         h = json.loads(json.dumps(header))
         s = [dict(x) for x in secs]
         ri = int(rng.integers(0, len(s)))
         part = "positions" if (s[ri]["positions"] is not None and rng.random() < 0.5) else "values"
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(s[ri][part]))
+        raw = bytearray(raw_of(h["records"][ri][part], s[ri][part]))
         kind = i % 3
         if kind == 0 and raw:
             for _ in range(int(rng.integers(1, 4))):
@@ -859,8 +905,143 @@ def test_symbol_stream_limits_checked_before_allocation():
     reject(edited(bad_alphabet, data), "out of range")
 
     def words_past_end(h, s):  # the rANS word count runs past the section
-        _, _, secs = split(data)
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(secs[0]["positions"]))
+        raw = bytearray(raw_of(h["records"][0]["positions"], s[0]["positions"]))
         raw[1:] = bytes([200]) + raw[2:]  # alphabet size byte -> 200 counts: sums no longer match
         set_section(h, s, 0, "positions", bytes(raw))
     reject(edited(words_past_end, data), "positions")
+
+
+# -------------------------------------------------------------- v4 stored sections, v3 payloads
+
+
+def rans_payload(key=None) -> tuple[Payload, bytes]:
+    """A rANS-coded record (stored sections in v4) beside sample()'s runs / planes / all records."""
+    p = payload(ulp_record("big", 100_000, 0.03), *decode(sample()).records)
+    return p, encode(p, key=key)
+
+
+def test_v4_stores_rans_sections_and_compresses_the_others():
+    p, data = rans_payload()
+    assert struct.unpack_from("<H", data, 4)[0] == FORMAT_VERSION == 4
+    _, h, secs = split(data)
+    big, a, b, c = h["records"]
+    for part in ("positions", "values"):
+        assert big[part]["stored"] is True and big[part]["length"] == big[part]["raw_length"]
+        assert not secs[0][part].startswith(b"\x28\xb5\x2f\xfd")  # raw bytes, no zstd frame
+    assert (big["positions"]["encoding"], big["values"]["encoding"]) == ("gaps_rans", "symbols_rans")
+    for r, s in zip((a, b, c), secs[1:]):  # runs / planes: one zstd frame each, no "stored" field
+        for part in ("positions", "values"):
+            assert "stored" not in r[part]
+            if s[part] is not None:
+                assert s[part].startswith(b"\x28\xb5\x2f\xfd")
+    assert_same(p, decode(data))
+    assert peek_header(data) == HDR
+
+
+def _stored_big(edit):
+    """rans_payload() with `edit(positions section dict of the stored record)` applied, resealed."""
+    _, data = rans_payload()
+
+    def apply(h, s):
+        edit(h["records"][0]["positions"])
+    return edited(apply, data)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda m: m.update(stored=False), "stored: expected true (a zstd section omits the field), got False"),
+    (lambda m: m.update(stored=1), "stored: expected true"),
+    (lambda m: m.update(stored="true"), "stored: expected true"),
+    (lambda m: m.update(stored=None), "stored: expected true"),
+    (lambda m: m.update(raw_length=m["raw_length"] + 1), "stored section of length"),
+    (lambda m: m.update(raw_length=m["raw_length"] - 1), "stored section of length"),
+    (lambda m: m.pop("stored"), "not a zstd frame"),  # a raw section the header calls a frame
+])
+def test_stored_section_rules(edit, reason):
+    reject(_stored_big(edit), reason)
+
+
+def test_stored_section_rules_need_a_section():
+    def on_all(h, s):  # record 2 ("b.bias") is "all": it has no section to store
+        h["records"][2]["positions"]["stored"] = True
+    _, data = rans_payload()
+    reject(edited(on_all, data), "unknown field(s) ['stored']")
+
+    def on_empty(h, s):  # a record without changes has empty sections: nothing to store
+        h["records"][0]["values"]["stored"] = True
+    reject(edited(on_empty, encode(payload(rec("z", "F32", (10,), [])))), "an empty section has no bytes to store")
+
+    # The key may appear once, like any other.
+    _, data = rans_payload()
+    hlen = struct.unpack_from("<I", data, 8)[0]
+    hbytes = data[PREFIX_BYTES:PREFIX_BYTES + hlen].replace(b'"stored":true', b'"stored":true,"stored":true', 1)
+    reject(assemble(hbytes, data[PREFIX_BYTES + hlen:-CHECKSUM_BYTES]), "duplicate key")
+
+
+def test_stored_sections_keep_the_limits():
+    _, data = rans_payload()
+    _, h, _ = split(data)
+    biggest = max(r[part]["raw_length"] for r in h["records"] for part in ("positions", "values")
+                  if "raw_length" in r[part])
+    reject(data, "max_raw_bytes", limits=DecodeLimits(max_raw_bytes=biggest - 1))
+
+
+def test_stored_flag_is_allowed_on_any_encoding():
+    """Decision: "stored" belongs to the section, not to the encoding. The encoder stores only
+    the rANS encodings (zstd cannot shrink them), but a runs / planes section stored raw is as
+    well defined, and each section's parser checks its raw bytes either way, so v4 accepts it."""
+    def store_everything(h, s):
+        for i, r in enumerate(h["records"]):
+            for part in ("positions", "values"):
+                if s[i][part]:
+                    raw = raw_of(r[part], s[i][part])
+                    r[part]["stored"] = True
+                    set_section(h, s, i, part, raw)
+    data = edited(store_everything)
+    assert data.count(b'"stored":true') == 5  # a.weight runs + planes, b.bias planes, c.scale runs + planes
+    assert_same(decode(sample()), decode(data))
+
+    def bad_runs(h, s):  # stored or not, the runs parser sees the same bytes
+        store_everything(h, s)
+        set_section(h, s, 2, "positions", varints(3, 1, 0, 1))
+    reject(edited(bad_runs), "gap 0")
+
+
+def test_decoding_stored_sections_never_aliases_or_writes_the_input():
+    p, data = rans_payload()
+    buf = bytearray(data)
+    out = decode(buf)
+    assert bytes(buf) == data
+    buf[:] = bytes(len(buf))  # the caller reuses its buffer: the decoded records must not change
+    assert_same(p, out)
+    for r in out.records:
+        assert r.positions.flags.writeable and r.values.flags.writeable
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+def test_v3_payloads_still_decode(key):
+    """Stored histories may hold v3 deltas: zstd frames for every section, a BLAKE2b trailer."""
+    p, data = rans_payload(key)
+    v3 = as_v3(data, key)
+    assert struct.unpack_from("<H", v3, 4)[0] == 3 and b'"stored"' not in v3
+    end = len(v3) - (HMAC_BYTES if key else 0)
+    assert v3[end - CHECKSUM_BYTES:end] == checksum(v3[:end - CHECKSUM_BYTES], version=3)
+    assert_same(p, decode(v3, key=key))
+    assert peek_header(v3) == HDR
+    assert abs(len(v3) - len(data)) < 100  # the same coded bits; only the framing differs
+    if key:
+        reject(v3, "HMAC mismatch", key=b"another key")
+
+
+def test_v3_payloads_have_no_stored_sections():
+    _, data = rans_payload()
+    v3 = as_v3(data)
+
+    def stored_in_v3(h, s):  # v3 knows no "stored": an unknown field, even with a valid frame
+        h["records"][0]["positions"]["stored"] = True
+    reject(edited(stored_in_v3, v3, version=3), "unknown field(s) ['stored']")
+    with pytest.raises(PayloadRejected, match=r"unknown field\(s\) \['stored'\]"):
+        peek_header(edited(stored_in_v3, v3, version=3))
+
+    def raw_in_v3(h, s):  # a raw section (raw_length unchanged) where v3 needs a zstd frame
+        s[0]["positions"] = zstandard.ZstdDecompressor().decompress(s[0]["positions"])
+    reject(edited(raw_in_v3, v3, version=3), "not a zstd frame")
