@@ -1,23 +1,26 @@
-"""End-state checks: compare receivers' stored bits with a dense canonical export."""
+"""End-state checks: compare receivers' stored bits with a dense canonical export.
+
+Digests are XXH3-128 (the wire format's checksum): both sides compute them with this
+module, they guard against bugs and corruption, not forgery, and BLAKE2b ran at ~0.5 GB/s
+here (4-5 s per side to verify a 1B-parameter BF16 model; XXH3 runs at memory speed)."""
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import torch
+import xxhash
 
 
 def tensor_digest(t: torch.Tensor) -> str:
-    """BLAKE2b-128 of a tensor's stored bits (dtype and shape are compared separately)."""
+    """XXH3-128 of a tensor's stored bits (dtype and shape are compared separately)."""
     flat = t.detach().contiguous().cpu().reshape(-1)
-    return hashlib.blake2b(flat.view(torch.uint8).numpy(), digest_size=16).hexdigest()
+    return xxhash.xxh3_128_hexdigest(flat.view(torch.uint8).numpy())
 
 
 def region_digest(positions: np.ndarray, bits: np.ndarray) -> str:
-    """BLAKE2b-128 of some elements' positions (uint64) and stored bits (unsigned ints of
+    """XXH3-128 of some elements' positions (uint64) and stored bits (unsigned ints of
     the dtype's width), little-endian: what a record should leave behind once applied."""
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     h.update(np.ascontiguousarray(positions, dtype="<u8").tobytes())
     h.update(np.ascontiguousarray(bits).astype(bits.dtype.newbyteorder("<"), copy=False).tobytes())
     return h.hexdigest()
