@@ -8,10 +8,13 @@ copy of what it owns, not two; `commit()` scatters the pending changes in.
 File-backed baselines (`directory`) also survive a trainer crash. The ranges live in
 memory-mapped files; `seal()` writes a manifest (version, fingerprint, ranges);
 `persist_pending()` writes the transfer's changes to a journal *before* the coordinator
-may write the commit record; `commit()` scatters them in, then advances the manifest
-and drops the journal. A restarted trainer opens the directory with the version the
-commit log names: a journal for that version is replayed (the crash fell between the
-commit record and the manifest), a journal for any other version is dropped (it never
+may write the commit record; `commit()` scatters them in, then syncs the range files,
+advances the manifest and drops the journal - in the background, off the refit's
+critical path (scattering 3% of a 1 GB file-backed range and syncing it took ~0.8 s);
+until then the journal is what makes the version durable, and readers wait
+(`wait_committed`). A restarted trainer opens the directory with the version the commit
+log names: a journal for that version is replayed (the crash fell between the commit
+record and the manifest), a journal for any other version is dropped (it never
 committed), and the ranges are restored only when manifest version and fingerprint
 match. So after a restart the next transfer starts from exactly what receivers hold,
 whatever weights the trainer itself restarted from.
@@ -24,6 +27,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +60,9 @@ class Baseline:
         self._maps: dict[str, np.memmap] = {}  # file-backed ranges, flushed at commit
         self._pending: dict[str, _Pending] | None = None
         self._pending_target: int | None = None
+        self._updating: threading.Thread | None = None  # commit()'s background scatter and sync
+        self._update_error: BaseException | None = None
+        self.update_s = 0.0  # how long the last commit's background update took
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
             self._restore()
@@ -74,6 +82,7 @@ class Baseline:
         self._committed[key] = torch.from_numpy(mm)
 
     def committed(self, key: str) -> torch.Tensor:
+        self.wait_committed()
         return self._committed[key]
 
     def keys(self):
@@ -86,6 +95,7 @@ class Baseline:
     # --- transfer lifecycle -------------------------------------------------------
 
     def begin(self, target_version: int) -> None:
+        self.wait_committed()
         if target_version != self.version + 1:
             raise ValueError(f"baseline at version {self.version} cannot start a transfer to {target_version}")
         self._pending, self._pending_target = {}, target_version
@@ -99,22 +109,60 @@ class Baseline:
         p.new.append(new.cpu())
 
     def commit(self) -> int:
-        """Make the pending transfer's bits the committed baseline (joint commit)."""
+        """Make the pending transfer's bits the committed baseline (joint commit).
+
+        Returns once the version has moved on; the scatter (and, file-backed, the sync of
+        the range files) runs in the background, off the refit's critical path, since
+        what receivers serve no longer depends on it. Everything that reads the committed
+        bits (`committed`, `begin`, `abort`) waits for it first: `wait_committed`."""
         if self._pending is None:
             raise RuntimeError("commit() without a transfer in flight")
-        for key, (positions, new) in self._merged().items():
-            self._committed[key][positions] = new
+        pending = self._pending
         self.version = self._pending_target
         self._pending = self._pending_target = None
-        if self.directory is not None:
-            for mm in self._maps.values():
-                mm.flush()
-            self._write_manifest()
-            shutil.rmtree(os.path.join(self.directory, JOURNAL), ignore_errors=True)
+        self._updating = threading.Thread(target=self._update, args=(pending,), name="nemo-dcr-baseline-commit")
+        self._updating.start()
         return self.version
+
+    def _update(self, pending: dict[str, _Pending]) -> None:
+        """Scatter the committed changes in; file-backed: then sync the range files, advance
+        the manifest and drop the journal, so a crash at any point leaves the journal
+        (replayed on restore) or the finished state. (torch's scatter and os.fsync release
+        the GIL; an mmap flush would not.)"""
+        t = time.perf_counter()
+        try:
+            for key, p in pending.items():
+                if p.positions:
+                    self._committed[key][torch.cat(p.positions)] = torch.cat(p.new)
+            if self.directory is not None:
+                for key in self._maps:
+                    fd = os.open(self._path(key), os.O_RDWR)  # on Linux this also writes back
+                    try:                                       # the pages the mapping dirtied
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                self._write_manifest()
+                shutil.rmtree(os.path.join(self.directory, JOURNAL), ignore_errors=True)
+        except BaseException as exc:  # noqa: BLE001 - reported by wait_committed()
+            self._update_error = exc
+        self.update_s = time.perf_counter() - t
+
+    def wait_committed(self) -> None:
+        """Wait until the last commit's bits are in the baseline (and on disk, when
+        file-backed); raise if that failed (a file-backed journal is kept for restart)."""
+        if self._updating is not None:
+            self._updating.join()
+            self._updating = None
+        if self._update_error is not None:
+            exc, self._update_error = self._update_error, None
+            kept = (f" in {self.directory}; its journal is kept and is replayed on restart"
+                    if self.directory is not None else "")
+            raise OSError(f"baseline update to version {self.version} failed ({type(exc).__name__}: {exc})"
+                          f"{kept}") from exc
 
     def abort(self) -> None:
         """Drop the pending transfer; the committed version stays as it was."""
+        self.wait_committed()
         self._pending = self._pending_target = None
         if self.directory is not None:
             shutil.rmtree(os.path.join(self.directory, JOURNAL), ignore_errors=True)

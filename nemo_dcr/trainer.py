@@ -352,6 +352,7 @@ class TrainerRefit:
         return {rx: compare_digests(expected_digests, r["digests"]) for rx, r in sorted(replies.items())}
 
     def close(self, shutdown_receivers: bool = False) -> None:
+        self.baseline.wait_committed()
         self.end.close()
         if self.coordinator is not None:
             if shutdown_receivers:

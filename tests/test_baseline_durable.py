@@ -32,7 +32,9 @@ def test_committed_versions_come_back(tmp_path):
     b = fresh(tmp_path)
     transfer(b)
     b.persist_pending()
-    assert b.commit() == 1 and not (tmp_path / JOURNAL).exists()
+    assert b.commit() == 1
+    b.wait_committed()  # the scatter and the sync run in the background
+    assert not (tmp_path / JOURNAL).exists()
     again = Baseline(1, tmp_path, fingerprint="fp")
     assert again.restored and again.version == 1, again.restore_note
     assert torch.equal(again.committed("w[0:10]"), V1)
@@ -73,6 +75,7 @@ def test_a_baseline_for_something_else_is_not_used(tmp_path, version, fp, why):
     transfer(b)
     b.persist_pending()
     b.commit()
+    b.wait_committed()
     again = Baseline(version, tmp_path, fingerprint=fp)
     assert not again.restored and why in again.restore_note and list(again.keys()) == []
 
@@ -93,3 +96,21 @@ def test_abort_drops_the_journal(tmp_path):
     b.persist_pending()
     b.abort()
     assert not (tmp_path / JOURNAL).exists() and torch.equal(b.committed("w[0:10]"), V0)
+
+
+def test_a_failed_background_sync_is_reported_and_the_journal_still_restores(tmp_path, monkeypatch):
+    """commit() scatters and syncs after it returns; if the sync fails (disk error), the
+    next begin() says so, and the kept journal brings the committed version back."""
+    b = fresh(tmp_path)
+    transfer(b)
+    b.persist_pending()
+    monkeypatch.setattr("nemo_dcr.baseline.os.fsync", lambda fd: (_ for _ in ()).throw(OSError("EIO")))
+    assert b.commit() == 1
+    with pytest.raises(OSError, match=r"update to version 1 failed \(OSError: EIO\) in .*; its journal is kept"):
+        b.begin(2)
+    monkeypatch.undo()
+    assert torch.equal(b.committed("w[0:10]"), V1)  # reported once; the bits in memory are v1
+    assert (tmp_path / JOURNAL).exists()
+    again = Baseline(1, tmp_path, fingerprint="fp")
+    assert again.restored and again.version == 1, again.restore_note
+    assert torch.equal(again.committed("w[0:10]"), V1)
