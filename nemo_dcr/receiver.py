@@ -366,7 +366,7 @@ class Receiver:
         self._reply("verified", reply)
 
     def digests(self) -> dict[str, str]:
-        """BLAKE2b-128 of every canonical tensor's stored bits (for end-state checks)."""
+        """XXH3-128 of every canonical tensor's stored bits (for end-state checks)."""
         return state_digests(self.runtime.canonical_state())
 
 
