@@ -202,8 +202,7 @@ class _Rejecting:
 # ======================================================================== encode
 
 
-def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto",
-           value_histograms: Mapping[int, tuple[np.ndarray, np.ndarray]] | None = None) -> bytes:
+def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto") -> bytes:
     """Serialize `payload` (format v4). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
@@ -211,9 +210,6 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
     dense: "auto" sends an xor/add record densely (every element's value, zeros
            included) when that is smaller on the wire; "never" / "always" force it
            (for benchmarks). The decoded record is the same either way.
-    value_histograms: record index -> `value_histogram(values, width)` of that record's
-           values, when the caller has it already (`choose_op_histogram`); it must be
-           exactly that, and only saves computing it again.
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
@@ -261,8 +257,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         if vals.shape[0] != pos.shape[0]:
             raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
         count = int(pos.shape[0])
-        hist = value_histograms.get(index) if value_histograms else None
-        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, hist)
+        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where)
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
@@ -315,21 +310,18 @@ _PAIR_MIN = 4096
 
 
 def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int,
-                   cctx: zstandard.ZstdCompressor, dense: str, where: str,
-                   hist: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[_Choice, _Choice]:
-    """(positions, values) sections of one record: the smallest of the encodings that fit.
-
-    hist: value_histogram(vals, dt.itemsize), if already known."""
+                   cctx: zstandard.ZstdCompressor, dense: str, where: str) -> tuple[_Choice, _Choice]:
+    """(positions, values) sections of one record: the smallest of the encodings that fit."""
     count = int(pos.size)
     if count == 0:  # no changes: an empty runs section and an empty planes section
         return _Choice("runs", b"", 0), _Choice("planes", b"", 0)
     if count == numel:
-        return _Choice("all", None), _best_values(vals, dt, cctx, hist=hist)
+        return _Choice("all", None), _best_values(vals, dt, cctx)
     if count >= _PAIR_MIN:
         # Both raw sections at once: gaps and value symbols first, then their two rANS
         # streams in one pass; then the same choices as below.
         gp = gaps_parts(pos)
-        vp = value_parts(vals, dt.itemsize, hist)
+        vp = value_parts(vals, dt.itemsize)
         if vp is None:
             graw, vraw = gp.join(encode_rans(gp.sym, gp.counts)), None
         else:
@@ -339,7 +331,7 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
         vchoice = _best_values(vals, dt, cctx, raw=vraw)
     else:
         pchoice = _best_positions(pos, cctx)
-        vchoice = _best_values(vals, dt, cctx, hist=hist)
+        vchoice = _best_values(vals, dt, cctx)
     if dense == "never" or op is Op.OVERWRITE:
         return pchoice, vchoice
     # Dense: every element's xor/add value (0 where nothing changed); only plausible
@@ -374,11 +366,10 @@ _UNSET: Any = object()
 
 
 def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompressor, *,
-                 raw: bytes | None = _UNSET, hist: tuple[np.ndarray, np.ndarray] | None = None) -> _Choice:
-    """raw: encode_value_symbols(vals, itemsize), if already computed (None included);
-    hist: value_histogram(vals, itemsize), if known."""
+                 raw: bytes | None = _UNSET) -> _Choice:
+    """raw: encode_value_symbols(vals, itemsize), if already computed (None included)."""
     if raw is _UNSET:
-        raw = encode_value_symbols(vals, dt.itemsize, hist)
+        raw = encode_value_symbols(vals, dt.itemsize)
     best = _frame("symbols_rans", raw, cctx) if raw is not None else None
     if best is None or vals.size <= _SMALL or best.size > vals.size * dt.itemsize // 2:
         planes = np.ascontiguousarray(vals.view(np.uint8).reshape(vals.size, dt.itemsize).T)
@@ -404,8 +395,7 @@ def values_entropy_bits(vals: np.ndarray, width: int) -> float:
     return entropy_bits(value_histogram(vals, width)[1]) if vals.size else 0.0
 
 
-def encode_value_symbols(vals: np.ndarray, width: int,
-                         hist: tuple[np.ndarray, np.ndarray] | None = None) -> bytes | None:
+def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
     """Raw `symbols_rans` values section, or None when most values would escape.
 
         varint L                 literal table size, 0..VALUE_ALPHABET
@@ -413,10 +403,8 @@ def encode_value_symbols(vals: np.ndarray, width: int,
         L x width bytes          the table: distinct values, strictly increasing (<u{width})
         rANS stream              one symbol per value, alphabet L + E (positions.encode_rans)
         width bytes per escape   the escaped values, in order (<u{width})
-
-    hist: value_histogram(vals, width), if already known.
     """
-    parts = value_parts(vals, width, hist)
+    parts = value_parts(vals, width)
     if parts is None:
         return None
     sym = parts.sym
@@ -440,12 +428,12 @@ class ValueParts:
         return b"".join((self.head, rans, self.tail))
 
 
-def value_parts(vals: np.ndarray, width: int, hist: tuple[np.ndarray, np.ndarray] | None = None) -> ValueParts | None:
+def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
     """`encode_value_symbols` without the rANS stream (None when most values would escape)."""
     if vals.size == 0:
         return None
     bits = np.dtype(f"<u{width}")
-    distinct, counts = value_histogram(vals, width) if hist is None else hist
+    distinct, counts = value_histogram(vals, width)
     if distinct.size <= VALUE_ALPHABET:
         table, escape = distinct, 0
     else:  # the most frequent values that repeat; the rest escape
@@ -520,20 +508,11 @@ class _ValuesReader:
 
 def choose_op(xor_values: np.ndarray, add_values: np.ndarray, width: int) -> Op:
     """XOR or ADD, whichever codes smaller (estimated from the values' empirical entropy)."""
-    return choose_op_histogram(xor_values, add_values, width)[0]
-
-
-def choose_op_histogram(xor_values: np.ndarray, add_values: np.ndarray, width: int
-                        ) -> tuple[Op, tuple[np.ndarray, np.ndarray] | None]:
-    """`choose_op`, and the chosen values' `value_histogram` (None when there are none),
-    which `encode(..., value_histograms=)` can reuse."""
     if xor_values.size == 0:
-        return Op.XOR, None
-    hx = value_histogram(xor_values, width)
-    ha = value_histogram(add_values, width)
-    if entropy_bits(ha[1]) < entropy_bits(hx[1]):
-        return Op.ADD, ha
-    return Op.XOR, hx
+        return Op.XOR
+    hx = value_histogram(xor_values, width)[1]
+    ha = value_histogram(add_values, width)[1]
+    return Op.ADD if entropy_bits(ha) < entropy_bits(hx) else Op.XOR
 
 
 def _positions_u64(positions: Any, where: str) -> np.ndarray:

@@ -56,9 +56,7 @@ class _PayloadBuilder:
     """Accumulates placed changes per canonical tensor until a payload is full.
 
     With `track_new`, the new bits of every placed element are kept beside the values,
-    and `digests` (after `take`) holds each record's expected post-apply digest.
-    `value_histograms` (after `take`): record index -> its values' histogram, for the
-    records whose operation was chosen here (op "auto"), so that encode reuses it."""
+    and `digests` (after `take`) holds each record's expected post-apply digest."""
 
     def __init__(self, track_new: bool = False):
         # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
@@ -68,7 +66,6 @@ class _PayloadBuilder:
         self.track_new = track_new
         self.digests: dict[str, str] = {}
         self.digest_s = 0.0  # of the last take(): the digests' share of it
-        self.value_histograms: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None,
             increasing: bool = False) -> None:
@@ -80,14 +77,12 @@ class _PayloadBuilder:
         self.parts, self.elements = {}, 0
 
     def take(self, specs: dict) -> list[Record]:
-        records, self.digests, self.value_histograms, self.digest_s = [], {}, {}, 0.0
+        records, self.digests, self.digest_s = [], {}, 0.0
         for (name, op), parts in self.parts.items():
             pos = _cat([p for p, _, _, _ in parts])
-            hist = None
             if op == AUTO:
                 op = _choose_op_sampled([v for _, v, _, _ in parts])
                 val = _cat([v[0] if op is Op.XOR else v[1] for _, v, _, _ in parts])
-                hist = codec.value_histogram(val, val.dtype.itemsize)
             else:
                 val = _cat([v for _, v, _, _ in parts])
             new = _cat([n for _, _, n, _ in parts]) if self.track_new else None
@@ -97,8 +92,6 @@ class _PayloadBuilder:
                 new = None if new is None else new[order]
             dtype, shape = specs[name]
             pos = pos.astype(np.uint64, copy=False)
-            if hist is not None:
-                self.value_histograms[len(records)] = hist
             records.append(Record(name, dtype, tuple(shape), op, pos, val))
             if new is not None:
                 t = time.perf_counter()
@@ -224,7 +217,7 @@ class Producer:
                 builder.clear()
                 return
             t = time.perf_counter()
-            records = builder.take(self.specs)  # part of encoding: concatenation, op choice, histograms
+            records = builder.take(self.specs)  # part of encoding: concatenation, op choice
             rep.times["encode"] += time.perf_counter() - t - builder.digest_s
             if transfer.readback:
                 rep.readback[pid] = builder.digests
@@ -234,8 +227,7 @@ class Producer:
             t = time.perf_counter()
             header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
                                    self.id, pid)
-            data = codec.encode(Payload(header, records), key=self.key, level=self.level,
-                                value_histograms=builder.value_histograms)
+            data = codec.encode(Payload(header, records), key=self.key, level=self.level)
             rep.times["encode"] += time.perf_counter() - t
             t = time.perf_counter()
             if rep.first_send_s is None:
