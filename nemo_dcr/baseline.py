@@ -28,7 +28,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,7 +61,6 @@ class Baseline:
         self._pending_target: int | None = None
         self._updating: threading.Thread | None = None  # commit()'s background scatter and sync
         self._update_error: BaseException | None = None
-        self.update_s = 0.0  # how long the last commit's background update took
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
             self._restore()
@@ -129,11 +127,9 @@ class Baseline:
         the manifest and drop the journal, so a crash at any point leaves the journal
         (replayed on restore) or the finished state. (torch's scatter and os.fsync release
         the GIL; an mmap flush would not.)"""
-        t = time.perf_counter()
         try:
-            for key, p in pending.items():
-                if p.positions:
-                    self._committed[key][torch.cat(p.positions)] = torch.cat(p.new)
+            for key, (positions, new) in _merged(pending).items():
+                self._committed[key][positions] = new
             if self.directory is not None:
                 for key in self._maps:
                     fd = os.open(self._path(key), os.O_RDWR)  # on Linux this also writes back
@@ -145,7 +141,6 @@ class Baseline:
                 shutil.rmtree(os.path.join(self.directory, JOURNAL), ignore_errors=True)
         except BaseException as exc:  # noqa: BLE001 - reported by wait_committed()
             self._update_error = exc
-        self.update_s = time.perf_counter() - t
 
     def wait_committed(self) -> None:
         """Wait until the last commit's bits are in the baseline (and on disk, when
@@ -189,7 +184,7 @@ class Baseline:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         entries = []
-        for i, (key, (positions, new)) in enumerate(sorted(self._merged().items())):
+        for i, (key, (positions, new)) in enumerate(sorted(_merged(self._pending).items())):
             np.save(os.path.join(tmp, f"{i}.pos.npy"), positions.numpy())
             np.save(os.path.join(tmp, f"{i}.new.npy"), new.numpy())
             entries.append({"key": key, "index": i})
@@ -197,10 +192,6 @@ class Baseline:
         final = os.path.join(self.directory, JOURNAL)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-
-    def _merged(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        return {key: (torch.cat(p.positions), torch.cat(p.new)) for key, p in (self._pending or {}).items()
-                if p.positions}
 
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, _file_name(key))
@@ -256,6 +247,11 @@ class Baseline:
             shutil.rmtree(journal_dir, ignore_errors=True)
         self.restored = True
         self.restore_note = f"baseline version {self.version} restored from {self.directory}"
+
+
+def _merged(pending: dict[str, _Pending]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each range's staged changes as one (positions, new bits) pair."""
+    return {key: (torch.cat(p.positions), torch.cat(p.new)) for key, p in pending.items() if p.positions}
 
 
 def fingerprint(*parts) -> str:
