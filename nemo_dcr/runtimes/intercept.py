@@ -55,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr import dtypes, kernels
 from nemo_dcr.errors import ApplyError
+from nemo_dcr.positions import check_positions
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
 
@@ -275,13 +276,6 @@ class _Restore:
             dtypes.bits_of(dst.detach()).copy_(old)
 
 
-def _strictly_increasing(pos: np.ndarray) -> bool:
-    """Whether unsigned positions (< 2**63) strictly increase: one compiled pass when it can."""
-    if kernels.HAVE_NUMBA and pos.itemsize == 8 and pos.flags.c_contiguous and int(pos[-1]) < 1 << 63:
-        return kernels.strictly_increasing_below(pos.view(np.int64), (1 << 63) - 1) == 0
-    return not np.any(pos[1:] <= pos[:-1])
-
-
 class _Interceptor(TorchDispatchMode):
     """Records copies into model storage instead of running them; refuses other writes."""
 
@@ -436,7 +430,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise ApplyError(f"{where}: values must be a 1-D array of <u{itemsize}")
         if pos.shape != vals.shape:
             raise ApplyError(f"{where}: {pos.shape[0]} positions but {vals.shape[0]} values")
-        if pos.size and (pos[-1] >= r.numel or not _strictly_increasing(pos)):
+        if check_positions(pos, r.numel):  # one compiled pass when it can
             bad = "out of range" if pos[-1] >= r.numel else "not strictly increasing"
             raise ApplyError(f"{where}: positions {bad} (numel {r.numel})")
 
