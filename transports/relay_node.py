@@ -26,7 +26,9 @@ disconnected). A busy link that makes no progress is given up, in one of two way
     traffic into a subtree that is likely congested already: the tree is repaired around
     nodes known to be gone, and a live but stuck node is reported with what is behind it.
 A disconnect re-queues what the link had in flight (frames in a dropped connection are
-gone); a peer back within the grace gets them again. Decisions are per transfer: the next
+gone), and so does the next handshake (a send just after the drop may have gone with it);
+a peer back within the grace gets them again. Only the socket monitor's events say whether
+a link is connected. Decisions are per transfer: the next
 transfer tries the original link again, so a restarted node (same endpoint) rejoins; a
 link opened to an adoptee is closed once it has been idle for the link timeout and the
 node it stood in for is connected again. Delivery stays at least once: an adoptee may get
@@ -322,8 +324,7 @@ class Fanout:
                     link.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break  # not connected, or its high-water mark is reached
-                link.queue.popleft()
-                link.connected = link.was_connected = True  # IMMEDIATE: only a connected peer takes one
+                link.queue.popleft()  # taken; but not proof of a live connection (see _read_events)
                 if entry is not None:
                     entry.handed = True
                     link.inflight[item] = entry.size
@@ -357,7 +358,12 @@ class Fanout:
                 event = recv_monitor_message(link.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return
+            # Only these events set `connected`, never a send that went through: the IO thread
+            # reports a drop before it detaches the dropped connection's pipe, so a send right
+            # after the DISCONNECTED event can still be taken by that pipe and vanish.
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if link.was_connected and not link.connected:
+                    self._requeue(link)  # back: what was sent while it was away may be gone
                 link.connected = link.was_connected = True
                 link.last = time.monotonic()
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
@@ -398,7 +404,9 @@ class Fanout:
         """Give up busy links without progress; close stand-in links no longer needed."""
         for link in list(self.links.values()):
             if link.busy:
-                if now - link.last > (self.timeout if link.connected else self.grace):
+                if not link.connected:
+                    self._read_events(link)  # a handshake may have landed since the last poll
+                if link.busy and now - link.last > (self.timeout if link.connected else self.grace):
                     self.give_up(link)
             elif link.adopted and now - link.last > self.timeout and self._stood_in_for(link).connected:
                 self._close(link)  # idle for a while (not just between two payloads), and not needed
