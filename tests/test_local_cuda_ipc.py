@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nemo_dcr import registry
+from nemo_dcr.errors import TransportError
 from nemo_dcr.transport import TransferInfo
 from tests.support.launch import REPO, worker_env
 
@@ -36,7 +37,7 @@ end.close()
 
 
 def test_device_payload_travels_by_cuda_ipc(tmp_path):
-    config = {"dir": str(tmp_path / "shm"), "timeout_s": 60}
+    config = {"dir": str(tmp_path / "shm"), "timeout_s": 30}
     t = registry.transport("local", config, receivers=["rx0"])
     env = worker_env()
     env.pop("CUDA_VISIBLE_DEVICES")  # the receiver must see the GPU
@@ -47,7 +48,11 @@ def test_device_payload_travels_by_cuda_ipc(tmp_path):
         payload = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
         info = TransferInfo("t-cuda", 0, 1, ("p0",))
         prod.send(info, "p0-0", payload)
-        assert prod.flush(info, ["p0-0"]) == {}
+        try:
+            assert prod.flush(info, ["p0-0"]) == {}
+        except TransportError as e:
+            proc.kill()
+            raise AssertionError(f"{e}; the receiver printed:\n{proc.communicate()[0]}") from e
         out, _ = proc.communicate(timeout=60)
         want = hashlib.sha256(payload.cpu().numpy().tobytes()).hexdigest()
         assert f"DIGEST {want} cuda" in out, out

@@ -303,6 +303,7 @@ def _import_cuda(h: dict):
     import torch
 
     unb64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
+    torch.cuda.init()  # mapping a handle in a process whose CUDA state is not set up yet segfaults
     storage = torch.UntypedStorage._new_shared_cuda(
         h["device"], unb64(h["handle"]), h["storage_bytes"], h["storage_offset"], unb64(h["ref_handle"]),
         h["ref_offset"], unb64(h["event_handle"]), h["event_sync"])
