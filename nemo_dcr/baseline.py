@@ -18,6 +18,12 @@ record and the manifest), a journal for any other version is dropped (it never
 committed), and the ranges are restored only when manifest version and fingerprint
 match. So after a restart the next transfer starts from exactly what receivers hold,
 whatever weights the trainer itself restarted from.
+
+Ranges diffed on a GPU also get a device mirror of their committed bits (`committed_on`):
+made from the host copy on first use, updated at `commit()` from the changes staged on
+the device, so a diff there reads device memory instead of copying the baseline over the
+host link every refit. The host copy stays the durable one (a mirror is rebuilt from it
+after a restart); the mirror costs one more copy of the owned range in device memory.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ JOURNAL = "journal"
 class _Pending:
     positions: list[torch.Tensor] = field(default_factory=list)
     new: list[torch.Tensor] = field(default_factory=list)
+    on_device: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # for a device mirror
 
 
 class Baseline:
@@ -57,6 +64,7 @@ class Baseline:
         self.restore_note = ""
         self._committed: dict[str, torch.Tensor] = {}
         self._maps: dict[str, np.memmap] = {}  # file-backed ranges, flushed at commit
+        self._mirrors: dict[str, torch.Tensor] = {}  # key -> committed bits on a GPU (see committed_on)
         self._pending: dict[str, _Pending] | None = None
         self._pending_target: int | None = None
         self._updating: threading.Thread | None = None  # commit()'s background scatter and sync
@@ -83,6 +91,16 @@ class Baseline:
         self.wait_committed()
         return self._committed[key]
 
+    def committed_on(self, key: str, device: torch.device) -> torch.Tensor:
+        """The committed bits of `key` on `device`: the host copy for the CPU, else a mirror
+        kept on that device (made on first use, kept current by `commit`)."""
+        if device.type == "cpu":
+            return self.committed(key)
+        mirror = self._mirrors.get(key)
+        if mirror is None or mirror.device != device:
+            mirror = self._mirrors[key] = self.committed(key).to(device)
+        return mirror
+
     def keys(self):
         return self._committed.keys()
 
@@ -103,6 +121,9 @@ class Baseline:
         if self._pending is None:
             raise RuntimeError("stage() outside a transfer: call begin() first")
         p = self._pending.setdefault(key, _Pending())
+        mirror = self._mirrors.get(key)
+        if mirror is not None and positions.device == new.device == mirror.device:
+            p.on_device.append((positions, new))  # commit updates the mirror without a host round trip
         p.positions.append(positions.cpu())
         p.new.append(new.cpu())
 
@@ -116,6 +137,15 @@ class Baseline:
         if self._pending is None:
             raise RuntimeError("commit() without a transfer in flight")
         pending = self._pending
+        for key, p in pending.items():  # device mirrors first, on the caller's stream: cheap
+            mirror = self._mirrors.get(key)
+            if mirror is None or not p.positions:
+                continue
+            if len(p.on_device) == len(p.positions):
+                mirror[torch.cat([pos for pos, _ in p.on_device])] = torch.cat([new for _, new in p.on_device])
+            else:  # staged from the host: upload the changes
+                positions, new = _merged({key: p})[key]
+                mirror[positions.to(mirror.device)] = new.to(mirror.device)
         self.version = self._pending_target
         self._pending = self._pending_target = None
         self._updating = threading.Thread(target=self._update, args=(pending,), name="nemo-dcr-baseline-commit")

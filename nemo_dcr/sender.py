@@ -250,10 +250,12 @@ class Producer:
             # CPU bit views with numba: one compiled pass per chunk gives the positions (range
             # relative), the new bits and the values to send; no torch op, no extra pass.
             fast = _compiled_diff(current, committed)
+            on_device = None  # the committed bits where `current` is (a GPU mirror), when not fast
             if fast:
                 cur, com = current.detach().reshape(-1).numpy(), committed.detach().reshape(-1).numpy()
-            for lo in range(0, current.numel(), self.chunk):
-                hi = min(lo + self.chunk, current.numel())
+            step = self.chunk if current.device.type == "cpu" else max(self.chunk, _DEVICE_CHUNK)
+            for lo in range(0, current.numel(), step):
+                hi = min(lo + step, current.numel())
                 t = time.perf_counter()
                 if fast:
                     positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=lo)
@@ -267,7 +269,9 @@ class Producer:
                     else:
                         values = new if op == Op.OVERWRITE else _bits_view(vals[0])
                 else:
-                    delta = diff(current[lo:hi], committed[lo:hi].to(current.device))
+                    if on_device is None:
+                        on_device = self.baseline.committed_on(key, current.device)
+                    delta = diff(current[lo:hi], on_device[lo:hi])
                     if len(delta) == 0:
                         rep.times["diff"] += time.perf_counter() - t
                         continue
@@ -376,6 +380,10 @@ def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
 
 # diff_arrays values per operation: what the records carry (overwrite: the new bits)
 _DIFF_VALUES = {Op.XOR: ("xor",), Op.ADD: ("add",), Op.OVERWRITE: (), AUTO: ("xor", "add")}
+# Elements per diff chunk on a GPU: each chunk costs a few synchronising copies (nonzero,
+# then the changes to the host), so chunks are larger there; a chunk's mask is one byte
+# per element, small beside the weights.
+_DEVICE_CHUNK = 1 << 26
 _NP_BITS = (torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
