@@ -3,6 +3,7 @@ real producer (`nemo_dcr.sender.Producer`), beside memcpy of the same bytes.
 
     python benchmarks/trainer_speed.py           # ~15 seconds on a quiet machine; results/trainer_speed.{json,png}
     python benchmarks/trainer_speed.py --smoke   # seconds (CI smoke; writes to the temp dir)
+    python benchmarks/trainer_speed.py --device cuda   # the weights on a GPU (results/trainer_speed_cuda.*)
 
 Set-up: 4 row-parallel BF16 weights of 4096 x 4096 (64M elements, 128 MiB; --smoke:
 4 x 512 x 512), each placed by a strided piece into a 4096 x 8192 canonical tensor (TP
@@ -14,6 +15,12 @@ counts bytes. Throughput is bytes of the BF16 weights scanned per second of prod
 of 3 before each refit (the best of all of them is reported), measured in the same
 process. The same ratio on CPU time (time.thread_time, for the refit and for memcpy)
 is reported beside: it is less sensitive to other jobs on a shared machine.
+
+With --device cuda the weights live on the GPU: the producer diffs them there against its
+device mirror of the baseline (one `ne` + `nonzero` per chunk) and copies only the
+changes to the host, where placement and encoding run on one core; memcpy is then a
+device-to-device copy of the same bytes (the GPU's memory bandwidth), so the ratio says
+how far the host-side work is from the device's speed.
 """
 
 from __future__ import annotations
@@ -63,13 +70,13 @@ class CountingEnd:
         pass
 
 
-def setup(n_params: int, rows: int, cols: int):
+def setup(n_params: int, rows: int, cols: int, device: str = "cpu"):
     torch.manual_seed(0)
     params, owned, maps, specs = [], [], {}, {}
     for i in range(n_params):
         name = f"decoder.layers.{i}.mlp.linear_fc2.weight"
         canon = f"model.layers.{i}.mlp.down_proj.weight"
-        t = (torch.randn(rows, cols) * 0.02).to(torch.bfloat16)
+        t = (torch.randn(rows, cols) * 0.02).to(torch.bfloat16).to(device)
         lp = LocalParam(name, (rows, cols), torch.bfloat16)
         owned.append(OwnedRange(lp, 0, rows * cols, t.view(-1)))
         maps[name] = AffineMap(name, rows * cols, (Piece(canon, 0, rows, cols, 0, 2 * cols),))
@@ -81,12 +88,27 @@ def setup(n_params: int, rows: int, cols: int):
 def perturb(params, rate: float, rng) -> int:
     changed = 0
     for t in params:
-        bits = t.view(-1).view(torch.int16).numpy()
-        pos = np.flatnonzero(rng.random(bits.size) < rate)
+        bits = t.view(-1).view(torch.int16)
+        pos = np.flatnonzero(rng.random(bits.numel()) < rate)
         step = np.where(rng.random(pos.size) < 0.5, 1, -1).astype(np.int16)
-        bits[pos] = bits[pos] + step
+        pos_t, step_t = torch.from_numpy(pos).to(t.device), torch.from_numpy(step).to(t.device)
+        bits[pos_t] = bits[pos_t] + step_t
         changed += pos.size
     return changed
+
+
+def device_copy_gbs(n: int, device: str, repeats: int) -> float:
+    """GB/s of a device-to-device copy of n int16 elements, best of `repeats`."""
+    src = torch.ones(n, dtype=torch.int16, device=device)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * 2 / best / 1e9
 
 
 def memcpy_gbs(src: np.ndarray, dst: np.ndarray, repeats: int) -> tuple[float, float]:
@@ -112,26 +134,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="where the weights live: cpu (default) or cuda")
     ap.add_argument("--out", default=None,
                     help="results JSON (default: benchmarks/results/trainer_speed.json; with --smoke, the temp dir)")
     args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"trainer_speed: --device {args.device} needs a CUDA GPU, and torch sees none")
     if args.out is None:
-        args.out = (os.path.join(tempfile.gettempdir(), "trainer_speed_smoke.json") if args.smoke
-                    else str(REPO / "benchmarks" / "results" / "trainer_speed.json"))
+        name = "trainer_speed" + ("_cuda" if cuda else "")
+        args.out = (os.path.join(tempfile.gettempdir(), f"{name}_smoke.json") if args.smoke
+                    else str(REPO / "benchmarks" / "results" / f"{name}.json"))
     load_before = list(os.getloadavg())
     torch.set_num_threads(1)
     rows = cols = 512 if args.smoke else 4096
     rates = [0.01, 0.05] if args.smoke else [0.001, 0.01, 0.03, 0.05]
     ops = [Op.XOR, AUTO]
     repeats = 2 if args.smoke else args.repeats
-    params, owned, maps, specs = setup(4, rows, cols)
+    params, owned, maps, specs = setup(4, rows, cols, args.device)
     total = sum(t.numel() for t in params)
     src = np.empty(total, np.int16)
     dst = np.empty_like(src)
     src[:] = 1
     dst[:] = 0  # touch every page before timing
     rng = np.random.default_rng(0)
-    print(f"[trainer_speed] {total:,} BF16 elements ({2 * total / 2**20:.0f} MiB), one core, "
+    print(f"[trainer_speed] {total:,} BF16 elements ({2 * total / 2**20:.0f} MiB) on {args.device}, one core, "
           f"repeats={repeats}, compiled kernels {kernels.HAVE_NUMBA}, AVX-512 diff {kernels.HAVE_VECTOR_DIFF}",
           flush=True)
     rows_out = []
@@ -144,6 +171,8 @@ def main() -> None:
             best, mem, mem_cpu, cpu_best = None, 0.0, 0.0, float("inf")
             for rep in range(repeats):
                 m_wall, m_cpu = memcpy_gbs(src, dst, 3)
+                if cuda:  # the reference is the device's own copy bandwidth
+                    m_wall = m_cpu = device_copy_gbs(total, args.device, 3)
                 mem, mem_cpu = max(mem, m_wall), max(mem_cpu, m_cpu)
                 end.bytes = 0
                 info = TransferInfo(f"t{rep}", 0, 1, ("p0",))
@@ -181,7 +210,8 @@ def main() -> None:
             # Commit nothing: restore the committed bits for the next rate.
             for r in owned:
                 r.tensor.view(torch.int16).copy_(baseline.committed(r.key))
-    result = {"benchmark": "trainer_speed", "smoke": args.smoke, "elements": total, "threads": 1,
+    result = {"benchmark": "trainer_speed", "smoke": args.smoke, "device": args.device,
+              "gpu": torch.cuda.get_device_name() if cuda else None, "elements": total, "threads": 1,
               "machine": {"python": platform.python_version(), "platform": platform.platform(),
                           "torch": torch.__version__, "numpy": np.__version__,
                           "cpu": _cpu_model(), "load_average_before": load_before,
