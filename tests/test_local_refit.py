@@ -40,23 +40,25 @@ class Setup:
     """A trainer (HF model + AdamW in BF16) and receivers on threads, over the local transport."""
 
     def __init__(self, checkpoint, tmp_path, n_receivers=2, op=Op.XOR, key=None, receiver_key=None,
-                 timeout_s=20, runtime_wrapper=None, max_attempts=3, refit_kw=None, receiver_kw=None):
+                 timeout_s=20, runtime_wrapper=None, max_attempts=3, refit_kw=None, receiver_kw=None, device="cpu"):
         """`runtime_wrapper(receiver_id, runtime)`: what the receiver applies through
-        (fault injection); `max_attempts`: the trainer's tries per transfer."""
+        (fault injection); `max_attempts`: the trainer's tries per transfer; `device`: where
+        the trainer's and the receivers' models live."""
+        self.device = device
         self.ids = [f"rx{i}" for i in range(n_receivers)]
         self.transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": timeout_s},
                                             receivers=self.ids)
         self.receivers, self.threads = [], []
         wrap = runtime_wrapper or (lambda rx, runtime: runtime)
         for rx in self.ids:
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
             r = Receiver(rx, wrap(rx, HFRuntime(model, checkpoint_dir=checkpoint)), self.transport.receiver(rx),
                          key=receiver_key if receiver_key is not None else key, **(receiver_kw or {}))
             self.receivers.append(r)
             t = threading.Thread(target=r.serve_forever, args=(0.05,), daemon=True)
             t.start()
             self.threads.append(t)
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.refit = TrainerRefit(registry.converter("identity", self.model.config), read_specs(checkpoint),
                                   torch_owned_ranges(self.model), ParallelLayout(), self.transport,
@@ -65,7 +67,7 @@ class Setup:
                                   **(refit_kw or {}))
 
     def step(self):
-        ids = torch.randint(0, 300, (2, 16))
+        ids = torch.randint(0, 300, (2, 16), device=self.device)
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
         self.opt.zero_grad()
@@ -85,9 +87,12 @@ class Setup:
         self.transport.cleanup()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("op", [Op.XOR, Op.ADD, Op.OVERWRITE])
-def test_refits_are_bit_exact_and_commit_jointly(checkpoint, tmp_path, op):
-    s = Setup(checkpoint, tmp_path, op=op)
+def test_refits_are_bit_exact_and_commit_jointly(checkpoint, tmp_path, op, device):
+    # cuda: the trainer diffs on the GPU against its device mirror, receivers apply on the GPU
+    s = Setup(checkpoint, tmp_path, op=op, device=device)
     try:
         for version in (1, 2, 3):
             s.step()
