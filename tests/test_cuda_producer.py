@@ -16,6 +16,7 @@ from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.records import Op
 from nemo_dcr.sender import AUTO, Producer
 from nemo_dcr.transport import TransferInfo
+from tests.support.transports import KeepingEnd
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,20 +26,6 @@ N = 300_007  # not a multiple of the chunk: the last chunk is short
 @pytest.fixture(autouse=True)
 def small_device_chunks(monkeypatch):
     monkeypatch.setattr(sender, "_DEVICE_CHUNK", 1)  # chunk_elements rules: three chunks per tensor
-
-
-class KeepingEnd:
-    def __init__(self):
-        self.payloads = []
-
-    def send(self, transfer, payload_id, data):
-        self.payloads.append(bytes(data))
-
-    def flush(self, transfer, payload_ids):
-        return {}
-
-    def close(self):
-        pass
 
 
 def host_bits(t: torch.Tensor) -> np.ndarray:

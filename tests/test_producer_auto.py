@@ -11,20 +11,7 @@ from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.records import Op
 from nemo_dcr.sender import AUTO, Producer
 from nemo_dcr.transport import TransferInfo
-
-
-class KeepingEnd:
-    def __init__(self):
-        self.payloads = []
-
-    def send(self, transfer, payload_id, data):
-        self.payloads.append(bytes(data))
-
-    def flush(self, transfer, payload_ids):
-        return {}
-
-    def close(self):
-        pass
+from tests.support.transports import KeepingEnd
 
 
 def _refit(n: int, change) -> tuple[np.ndarray, np.ndarray, list]:

@@ -78,3 +78,20 @@ def run_receivers(t, ids, **kw):
             end.close()
 
     return seen, finish
+
+
+class KeepingEnd:
+    """A producer end that keeps what it is sent (`payloads`, in order) and delivers nothing:
+    for tests that decode a producer's payloads themselves."""
+
+    def __init__(self):
+        self.payloads: list[bytes] = []
+
+    def send(self, transfer, payload_id, data):
+        self.payloads.append(bytes(data))
+
+    def flush(self, transfer, payload_ids):
+        return {}
+
+    def close(self):
+        pass
