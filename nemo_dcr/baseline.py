@@ -116,14 +116,18 @@ class Baseline:
             raise ValueError(f"baseline at version {self.version} cannot start a transfer to {target_version}")
         self._pending, self._pending_target = {}, target_version
 
-    def stage(self, key: str, positions: torch.Tensor, new: torch.Tensor) -> None:
-        """Remember changed positions (relative to the range) and their new bits."""
+    def stage(self, key: str, positions: torch.Tensor, new: torch.Tensor, *,
+              on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Remember changed positions (relative to the range) and their new bits;
+        `on_device`: the same two already on a GPU, for the range's device mirror."""
         if self._pending is None:
             raise RuntimeError("stage() outside a transfer: call begin() first")
         p = self._pending.setdefault(key, _Pending())
+        if on_device is None and positions.device.type != "cpu":
+            on_device = (positions, new)
         mirror = self._mirrors.get(key)
-        if mirror is not None and positions.device == new.device == mirror.device:
-            p.on_device.append((positions, new))  # commit updates the mirror without a host round trip
+        if mirror is not None and on_device is not None and on_device[0].device == on_device[1].device == mirror.device:
+            p.on_device.append(on_device)  # commit updates the mirror without a host round trip
         p.positions.append(positions.cpu())
         p.new.append(new.cpu())
 

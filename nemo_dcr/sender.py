@@ -276,14 +276,15 @@ class Producer:
                         rep.times["diff"] += time.perf_counter() - t
                         continue
                     positions_t = delta.positions + lo if lo else delta.positions
-                    self.baseline.stage(key, positions_t, delta.new)
+                    positions_h, new_h = positions_t.cpu(), delta.new.cpu()  # to the host once each
+                    self.baseline.stage(key, positions_h, new_h, on_device=(positions_t, delta.new))
                     if op == AUTO:
                         both = (_unsigned(delta.xor()), _unsigned(delta.add()))
                     else:
-                        pick = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]
+                        pick = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: new_h}[op]
                         values = _unsigned(pick())
-                    new = _unsigned(delta.new) if builder.track_new else None
-                    positions = positions_t.cpu().numpy()
+                    new = _bits_view(new_h.numpy()) if builder.track_new else None
+                    positions = positions_h.numpy()
                 if not builder.track_new:
                     new = None
                 changed += positions.size
