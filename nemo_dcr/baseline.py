@@ -21,7 +21,8 @@ whatever weights the trainer itself restarted from.
 
 Ranges diffed on a GPU also get a device mirror of their committed bits (`committed_on`):
 made from the host copy on first use, updated at `commit()` from the changes staged on
-the device, so a diff there reads device memory instead of copying the baseline over the
+the device (dropped when a transfer diffed the range on the host, e.g. with the weights
+offloaded, and made again on next use), so a diff there reads device memory instead of copying the baseline over the
 host link every refit. The host copy stays the durable one (a mirror is rebuilt from it
 after a restart); the mirror costs one more copy of the owned range in device memory.
 """
@@ -123,10 +124,8 @@ class Baseline:
         if self._pending is None:
             raise RuntimeError("stage() outside a transfer: call begin() first")
         p = self._pending.setdefault(key, _Pending())
-        if on_device is None and positions.device.type != "cpu":
-            on_device = (positions, new)
         mirror = self._mirrors.get(key)
-        if mirror is not None and on_device is not None and on_device[0].device == on_device[1].device == mirror.device:
+        if mirror is not None and on_device is not None and on_device[0].device == mirror.device:
             p.on_device.append(on_device)  # commit updates the mirror without a host round trip
         p.positions.append(positions.cpu())
         p.new.append(new.cpu())
@@ -142,14 +141,12 @@ class Baseline:
             raise RuntimeError("commit() without a transfer in flight")
         pending = self._pending
         for key, p in pending.items():  # device mirrors first, on the caller's stream: cheap
-            mirror = self._mirrors.get(key)
-            if mirror is None or not p.positions:
+            if key not in self._mirrors or not p.positions:
                 continue
             if len(p.on_device) == len(p.positions):
-                mirror[torch.cat([pos for pos, _ in p.on_device])] = torch.cat([new for _, new in p.on_device])
-            else:  # staged from the host: upload the changes
-                positions, new = _merged({key: p})[key]
-                mirror[positions.to(mirror.device)] = new.to(mirror.device)
+                self._mirrors[key][torch.cat([pos for pos, _ in p.on_device])] = torch.cat([n for _, n in p.on_device])
+            else:  # diffed elsewhere this time (weights offloaded to the host): rebuilt on next use
+                del self._mirrors[key]
         self.version = self._pending_target
         self._pending = self._pending_target = None
         self._updating = threading.Thread(target=self._update, args=(pending,), name="nemo-dcr-baseline-commit")

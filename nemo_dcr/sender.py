@@ -250,9 +250,10 @@ class Producer:
             # CPU bit views with numba: one compiled pass per chunk gives the positions (range
             # relative), the new bits and the values to send; no torch op, no extra pass.
             fast = _compiled_diff(current, committed)
-            on_device = None  # the committed bits where `current` is (a GPU mirror), when not fast
             if fast:
                 cur, com = current.detach().reshape(-1).numpy(), committed.detach().reshape(-1).numpy()
+            else:  # the committed bits where `current` is: the host copy, or a GPU mirror
+                committed = self.baseline.committed_on(key, current.device)
             step = self.chunk if current.device.type == "cpu" else max(self.chunk, _DEVICE_CHUNK)
             for lo in range(0, current.numel(), step):
                 hi = min(lo + step, current.numel())
@@ -269,9 +270,7 @@ class Producer:
                     else:
                         values = new if op == Op.OVERWRITE else _bits_view(vals[0])
                 else:
-                    if on_device is None:
-                        on_device = self.baseline.committed_on(key, current.device)
-                    delta = diff(current[lo:hi], on_device[lo:hi])
+                    delta = diff(current[lo:hi], committed[lo:hi])
                     if len(delta) == 0:
                         rep.times["diff"] += time.perf_counter() - t
                         continue

@@ -106,3 +106,22 @@ def test_a_restarted_file_backed_baseline_rebuilds_its_mirror_from_disk(tmp_path
     prod.refit(TransferInfo("t1", 1, 2, ("p0",)))
     got = applied(receiver, end.payloads)
     assert all(np.array_equal(g, host_bits(t)) for g, t in zip(got, params))
+
+
+def test_weights_offloaded_to_the_host_for_a_refit_and_back(tmp_path):
+    # A refit diffed on the host (weights offloaded) must not leave a stale device mirror.
+    rng = np.random.default_rng(2)
+    baseline = Baseline()
+    params = [(torch.randn(N, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(2)]
+    receiver = [host_bits(t) for t in params]
+    for version, device in enumerate(["cuda", "cpu", "cuda"]):
+        params = [t.to(device) for t in params]
+        prod, end = producer(params, baseline, Op.XOR)
+        change(params, 0.03, rng)
+        prod.refit(TransferInfo(f"t{version}", version, version + 1, ("p0",)))
+        receiver = applied(receiver, end.payloads)
+        assert all(np.array_equal(g, host_bits(t)) for g, t in zip(receiver, params)), device
+        baseline.commit()
+    for i, r in enumerate(prod.affine):
+        assert np.array_equal(baseline.committed_on(r.key, params[i].device).cpu().numpy().view(np.uint16),
+                              receiver[i])
