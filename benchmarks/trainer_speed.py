@@ -170,9 +170,10 @@ def main() -> None:
             changed = perturb(params, rate, rng)
             best, mem, mem_cpu, cpu_best = None, 0.0, 0.0, float("inf")
             for rep in range(repeats):
-                m_wall, m_cpu = memcpy_gbs(src, dst, 3)
                 if cuda:  # the reference is the device's own copy bandwidth
                     m_wall = m_cpu = device_copy_gbs(total, args.device, 3)
+                else:
+                    m_wall, m_cpu = memcpy_gbs(src, dst, 3)
                 mem, mem_cpu = max(mem, m_wall), max(mem_cpu, m_cpu)
                 end.bytes = 0
                 info = TransferInfo(f"t{rep}", 0, 1, ("p0",))
