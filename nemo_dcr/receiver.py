@@ -30,6 +30,7 @@ from nemo_dcr.control_auth import check, sign
 from nemo_dcr.catchup import catch_up
 from nemo_dcr.errors import ApplyError, DCRError, PayloadRejected, TransportError
 from nemo_dcr.history import open_history
+from nemo_dcr.metrics import page_faults
 from nemo_dcr.records import Op, Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.transport import ReceiverEnd, TransferInfo
@@ -70,6 +71,7 @@ class _Transfer:
     started: float = field(default_factory=time.perf_counter)
     stage_s: float = 0.0
     apply_s: float = 0.0
+    faults_at_start: int = field(default_factory=page_faults)
 
 
 class Receiver:
@@ -314,7 +316,7 @@ class Receiver:
         self._reply("applied", {
             "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
             "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started, "payloads": cur.applied_payloads,
-            "dropped": cur.dropped,
+            "dropped": cur.dropped, "page_faults": page_faults() - cur.faults_at_start,
             **({"readback": self.lineage.readback if self.lineage else {}, "readback_scope": self.readback_scope,
                 "readback_s": cur.readback_s} if cur.info.readback else {}),
         })

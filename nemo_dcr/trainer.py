@@ -92,6 +92,9 @@ class RefitResult:
             "failed_transfers_before": self.failed_before,
             "recovered": self.attempts > 1 or self.failed_before > 0,
             "receiver_dropped_payloads": sum(r.get("dropped", 0) for r in applied),
+            # first touches of memory during the refit (metrics.page_faults), the most of any process
+            "producer_page_faults": max((p.get("page_faults", 0) for p in self.producers), default=0),
+            "receiver_page_faults": max((r.get("page_faults", 0) for r in applied), default=0),
             "receiver_readback_s": max((r.get("readback_s", 0.0) for r in applied), default=0.0),
             "producer_digest_s": max((p["times"].get("digest", 0.0) for p in self.producers), default=0.0),
             **{f"coordinator_{k}_s": v for k, v in sorted(self.coordinator_times.items())},
