@@ -53,6 +53,7 @@ from .errors import PayloadRejected
 from . import kernels
 from .positions import (
     MAX_NUMEL,
+    GapsParts,
     GapsReader,
     PositionsError,
     RansStream,
@@ -250,14 +251,21 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         if numel is None:
             raise ValueError(f"{where}: shape {shape} has a negative dim or > 2**63 elements")
         pos = _positions_u64(r.positions, where)
-        why = check_positions(pos, numel)
+        gaps = None
+        if _PAIR_MIN <= pos.size < numel:
+            # Coded as gaps: splitting them checks the order on the way (one pass fewer);
+            # when it fails, check_positions says what is wrong.
+            gaps = gaps_parts(pos) if pos.ndim == 1 else None
+            why = check_positions(pos, numel) if gaps is None or int(pos[-1]) >= numel else None
+        else:
+            why = check_positions(pos, numel)
         if why:
             raise ValueError(f"{where}: {why}")
         vals = _values_bits(r.values, dt, where)
         if vals.shape[0] != pos.shape[0]:
             raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
         count = int(pos.shape[0])
-        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where)
+        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps)
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
@@ -310,8 +318,10 @@ _PAIR_MIN = 4096
 
 
 def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int,
-                   cctx: zstandard.ZstdCompressor, dense: str, where: str) -> tuple[_Choice, _Choice]:
-    """(positions, values) sections of one record: the smallest of the encodings that fit."""
+                   cctx: zstandard.ZstdCompressor, dense: str, where: str,
+                   gp: GapsParts | None = None) -> tuple[_Choice, _Choice]:
+    """(positions, values) sections of one record: the smallest of the encodings that fit.
+    gp: gaps_parts(pos), when already computed."""
     count = int(pos.size)
     if count == 0:  # no changes: an empty runs section and an empty planes section
         return _Choice("runs", b"", 0), _Choice("planes", b"", 0)
@@ -320,7 +330,7 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
     if count >= _PAIR_MIN:
         # Both raw sections at once: gaps and value symbols first, then their two rANS
         # streams in one pass; then the same choices as below.
-        gp = gaps_parts(pos)
+        gp = gaps_parts(pos) if gp is None else gp
         vp = value_parts(vals, dt.itemsize)
         if vp is None:
             graw, vraw = gp.join(encode_rans(gp.sym, gp.counts)), None

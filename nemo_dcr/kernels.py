@@ -325,8 +325,10 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
 
     sym[i] = min(g_i >> r, esc), counts[s] += 1, the r low bits of every gap packed MSB
     first into `low` (zero-padded to a byte), excess[k] = (g >> r) - esc for the k-th
-    escaped gap. p must be validated (>= 0, strictly increasing). Returns (low bytes
-    written, escapes, gaps equal to 0 after the first).
+    escaped gap. Returns (low bytes written, escapes, gaps equal to 0 after the first,
+    0), or (0, 0, 0, 1 + i) when position i is negative or not above the one before it:
+    the split checks the order as it goes (no separate pass over the positions), and
+    stops there, before any output is written from a negative gap.
 
     Counts go to four interleaved tables (a run of equal symbols would otherwise chain
     every increment on the previous one); for r <= 32 the low bits are collected 32 at a
@@ -346,6 +348,8 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
         for i in range(n):
             v = p[i]
             g = v - prev - 1
+            if g < 0:
+                return 0, 0, 0, i + 1
             prev = v
             zeros += g == 0
             q = g >> r
@@ -380,6 +384,8 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
         for i in range(n):
             v = p[i]
             g = v - prev - 1
+            if g < 0:
+                return 0, 0, 0, i + 1
             prev = v
             zeros += g == 0
             q = g >> r
@@ -407,7 +413,7 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
         counts[k] += c4[k] + c4[nc + k] + c4[2 * nc + k] + c4[3 * nc + k]
     if n and p[0] == 0:
         zeros -= 1
-    return nb, ne, zeros
+    return nb, ne, zeros, 0
 
 
 @_jit

@@ -439,7 +439,7 @@ def _choose_shift(g: np.ndarray) -> int:
 
     Picks the best of three shifts around log2(mean gap) by estimated size, on a
     sample of at most 2**16 gaps (the choice only affects size, never correctness)."""
-    s = g[:: max(1, g.size >> 16)]
+    s = np.maximum(g[:: max(1, g.size >> 16)], 0)  # unsorted input has negative gaps; the split rejects it
     mean = float(s.mean()) if s.size else 0.0
     if mean < 2.0:
         return 0
@@ -486,6 +486,8 @@ def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
 
     with g_0 = p_0, g_i = p_i - p_(i-1) - 1."""
     parts = gaps_parts(positions)
+    if parts is None:
+        raise ValueError("positions not strictly increasing")
     return parts.join(encode_rans(parts.sym, parts.counts)), parts.zeros
 
 
@@ -506,11 +508,13 @@ class GapsParts:
         return b"".join(out)
 
 
-def gaps_parts(positions: np.ndarray) -> GapsParts:
+def gaps_parts(positions: np.ndarray) -> GapsParts | None:
     """Rice shift, quotient symbols and their counts, packed low bits and escaped
-    quotients of sorted, validated positions (count >= 1): `encode_gaps_rans` without
-    the rANS stream."""
-    p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63
+    quotients of sorted uint64 positions (count >= 1): `encode_gaps_rans` without the
+    rANS stream. None when the positions are not strictly increasing (or one is >= 2**63):
+    the split checks that as it goes, so a caller need not check the order first (the
+    upper bound, the last position, is the caller's)."""
+    p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63, else negative here
     n = p.size
     r = _choose_shift(_sample_gaps(p))
     esc = _SYMBOL_CAP_POSITIONS - 1
@@ -518,7 +522,9 @@ def gaps_parts(positions: np.ndarray) -> GapsParts:
     counts = np.zeros(_SYMBOL_CAP_POSITIONS, np.int64)
     low = np.empty((n * r + 7) // 8, np.uint8)
     excess = np.empty(n, np.int64)
-    nb, ne, zeros = _k.gaps_split(p, r, esc, sym, counts, low, excess)
+    nb, ne, zeros, bad = _k.gaps_split(p, r, esc, sym, counts, low, excess)
+    if bad:
+        return None
     alphabet = int((counts != 0).nonzero()[0][-1]) + 1
     return GapsParts(r, sym, counts[:alphabet], low[:nb], excess[:ne], int(zeros))
 

@@ -20,6 +20,7 @@ from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import diff, diff_arrays
 from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
+from nemo_dcr.metrics import page_faults
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
@@ -39,6 +40,7 @@ class ProducerReport:
     payloads: int = 0
     wire_bytes: int = 0
     first_send_s: float | None = None  # seconds from refit start to the first payload leaving
+    page_faults: int = 0  # minor page faults of the process during the refit (metrics.page_faults)
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("residual", "diff", "place", "encode", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -58,7 +60,7 @@ class _PayloadBuilder:
     With `track_new`, the new bits of every placed element are kept beside the values,
     and `digests` (after `take`) holds each record's expected post-apply digest."""
 
-    def __init__(self, track_new: bool = False):
+    def __init__(self, track_new: bool = False, arena: _Arena | None = None):
         # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
         # Each part: (positions, values, new bits or None, positions known strictly increasing).
         self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None, bool]]] = {}
@@ -66,6 +68,7 @@ class _PayloadBuilder:
         self.track_new = track_new
         self.digests: dict[str, str] = {}
         self.digest_s = 0.0  # of the last take(): the digests' share of it
+        self.arena = arena if arena is not None else _Arena()
 
     def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None,
             increasing: bool = False) -> None:
@@ -77,15 +80,21 @@ class _PayloadBuilder:
         self.parts, self.elements = {}, 0
 
     def take(self, specs: dict) -> list[Record]:
+        """The queued changes as one record per canonical tensor (and op), sorted.
+
+        The records' arrays may live in the builder's arena: they are valid until the
+        next take() (the producer encodes them at once)."""
         records, self.digests, self.digest_s = [], {}, 0.0
+        self.arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
+        cat = self.arena.concatenate
         for (name, op), parts in self.parts.items():
-            pos = _cat([p for p, _, _, _ in parts])
+            pos = cat([p for p, _, _, _ in parts])
             if op == AUTO:
                 op = _choose_op_sampled([v for _, v, _, _ in parts])
-                val = _cat([v[0] if op is Op.XOR else v[1] for _, v, _, _ in parts])
+                val = cat([v[0] if op is Op.XOR else v[1] for _, v, _, _ in parts])
             else:
-                val = _cat([v for _, v, _, _ in parts])
-            new = _cat([n for _, _, n, _ in parts]) if self.track_new else None
+                val = cat([v for _, v, _, _ in parts])
+            new = cat([n for _, _, n, _ in parts]) if self.track_new else None
             if pos.size > 1 and not _increasing(parts, pos):
                 order = np.argsort(pos, kind="stable")
                 pos, val = pos[order], val[order]
@@ -101,8 +110,55 @@ class _PayloadBuilder:
         return records
 
 
+def _part_bytes(parts: list) -> int:
+    """Arena bytes one record's concatenations take at most (positions, values, new bits)."""
+    first = parts[0]
+    values = first[1][0] if isinstance(first[1], tuple) else first[1]
+    per = first[0].itemsize + values.itemsize + (first[2].itemsize if first[2] is not None else 0)
+    return sum(p[0].size for p in parts) * per + 3 * _Arena.ALIGN
+
+
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+class _Arena:
+    """Memory the payload builder concatenates into, reused from payload to payload and
+    from refit to refit. Fresh pages cost more than the copy: touching a page for the
+    first time is a page fault, and on a VM a copy into fresh memory took ~10x as long as
+    one into memory already touched (docs/design-notes.md, "Producer memory"). take()
+    sizes it for the payload at hand (10 bytes per BF16 change: int64 position and value;
+    12 with new bits); it keeps the largest size seen, about `max_payload_elements` plus
+    one chunk's changes."""
+
+    ALIGN = 64
+
+    def __init__(self):
+        self.buf = np.empty(0, np.uint8)
+        self.used = 0
+
+    def reset(self, nbytes: int = 0) -> _Arena:
+        """Hand the whole arena out again, at least `nbytes` of it: what earlier calls
+        returned is overwritten."""
+        self.used = 0
+        if nbytes > self.buf.size:
+            self.buf = np.empty(max(nbytes, self.buf.size + self.buf.size // 4), np.uint8)
+        return self
+
+    def concatenate(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """np.concatenate(arrays) into the arena (one array: itself, not copied)."""
+        if len(arrays) == 1:
+            return arrays[0]
+        dtype = arrays[0].dtype
+        n = sum(a.size for a in arrays)
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        end = start + n * dtype.itemsize
+        if end > self.buf.size:
+            # A larger buffer; arrays handed out from the old one keep it alive until dropped.
+            self.buf = np.empty(max(2 * self.buf.size, end - start), np.uint8)
+            start, end = 0, end - start
+        self.used = end
+        return np.concatenate(arrays, out=self.buf[start:end].view(dtype))
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
@@ -161,6 +217,7 @@ class Producer:
         # that last sent each): after the commit they are stored as that version's delta.
         self.keep_sent = False
         self.sent: dict[str, tuple[str, bytes]] = {}
+        self._arena = _Arena()  # the payload builders' concatenations, kept between refits
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
         self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
         self.affine = [r for r in self.owned if not isinstance(maps[r.param.name], ResidualMap)]
@@ -203,9 +260,9 @@ class Producer:
         half-applied, and a second delta would be wrong), except those in `skip`
         (finished on every receiver), which are cut but not sent."""
         rep = ProducerReport(self.id)
-        t0 = time.perf_counter()
+        t0, faults0 = time.perf_counter(), page_faults()
         self.baseline.begin(transfer.target_version)
-        builder, payload_ids, all_ids = _PayloadBuilder(track_new=transfer.readback), [], []
+        builder, payload_ids, all_ids = _PayloadBuilder(transfer.readback, self._arena), [], []
         op_affine = Op.OVERWRITE if transfer.attempt > 0 else self.op
         if transfer.attempt == 0:
             self.sent = {}
@@ -313,6 +370,7 @@ class Producer:
         t = time.perf_counter()
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
+        rep.page_faults = page_faults() - faults0
         rep.payloads = len(payload_ids)
         rep.payload_ids = list(payload_ids)
         rep.all_payload_ids = all_ids
@@ -325,7 +383,7 @@ class Producer:
         if self.baseline.version != version or self.baseline.in_flight:
             raise ValueError(f"anchor of version {version}: the baseline is at {self.baseline.version}"
                              f"{' with a transfer in flight' if self.baseline.in_flight else ''}")
-        tid, builder, ids = f"anchor-v{version}", _PayloadBuilder(), {}
+        tid, builder, ids = f"anchor-v{version}", _PayloadBuilder(arena=self._arena), {}
 
         def emit():
             pid = f"{self.id}-{len(ids):06d}"

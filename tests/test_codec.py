@@ -642,6 +642,27 @@ def test_encode_rejects_invalid_records(make, msg):
         encode(payload(make()))
 
 
+def _big(positions):
+    """A record large enough to be coded as gaps_rans in one pass with its values."""
+    pos = np.asarray(positions, np.uint64)
+    return Record("w", "BF16", (1 << 20,), Op.XOR, pos, np.ones(pos.size, "<u2"))
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda p: p.__setitem__(3000, p[2999]), "strictly increasing"),           # a repeat
+    (lambda p: p.__setitem__(slice(100, 102), p[100:102][::-1]), "strictly increasing"),  # a swap
+    (lambda p: p.__setitem__(0, np.uint64(1 << 63)), "strictly increasing"),  # >= 2**63: negative as int64
+    (lambda p: p.__setitem__(-1, np.uint64(1 << 20)), ">= numel"),
+])
+def test_encode_rejects_invalid_large_records(edit, msg):
+    # Large records are checked by the gaps split itself (no separate pass): same errors.
+    pos = np.arange(0, 3 * 5000, 3, dtype=np.uint64)
+    encode(payload(_big(pos)))
+    edit(pos)
+    with pytest.raises(ValueError, match=msg):
+        encode(payload(_big(pos)))
+
+
 def test_encode_rejects_bad_header_and_overlap():
     with pytest.raises(ValueError, match="target_version"):
         encode(payload(header=PayloadHeader("t", 3, 2, "p", "p-0")))

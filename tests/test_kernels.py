@@ -260,6 +260,25 @@ def test_gaps_rans_roundtrip(n, rate, seed):
             decode_gaps_rans(raw, pos.size, int(pos[-1]))  # one short of the last position
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("r", [0, 3, 40])
+def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
+    split = kernels.gaps_split if compiled else kernels.gaps_split.py_func
+
+    def run(p):
+        return split(p, r, 255, np.empty(p.size, np.uint8), np.zeros(256, np.int64),
+                     np.empty((p.size * r + 7) // 8, np.uint8), np.empty(p.size, np.int64))
+
+    pos = np.arange(0, 6000, 3, dtype=np.int64) << (r // 2)
+    assert run(pos)[3] == 0
+    for i, value in [(1001, pos[1000]),   # equal to the one before
+                     (1000, pos[999] - 1),  # below the one before
+                     (0, -5)]:            # >= 2**63 as a uint64 position
+        p = pos.copy()
+        p[i] = value
+        assert run(p) == (0, 0, 0, i + 1)
+
+
 def test_gaps_rans_escapes_and_huge_indices():
     rng = np.random.default_rng(5)
     pos = np.unique(np.concatenate([rng.integers(0, 2**40, 300), [2**63 - 1], [0, 1, 2]]).astype(np.uint64))

@@ -1,0 +1,54 @@
+"""The producer's payload builder: records are the concatenation of the queued parts, and
+the concatenations reuse one arena from payload to payload (no fresh pages per payload)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nemo_dcr.records import Op
+from nemo_dcr.sender import _Arena, _PayloadBuilder
+
+SPECS = {"a": ("BF16", (1000,)), "b": ("F32", (1000,))}
+
+
+def _queue(builder, rng, n_parts=3):
+    expected = {}
+    for name, dt in (("a", np.uint16), ("b", np.uint32)):
+        cuts = np.sort(rng.choice(1000, 2 * n_parts, replace=False)).reshape(n_parts, 2)
+        pos = [np.arange(lo, hi, dtype=np.uint64) for lo, hi in cuts]
+        vals = [rng.integers(1, 2**16, p.size).astype(dt) for p in pos]
+        for p, v in zip(pos, vals):
+            builder.add(name, Op.XOR, p, v, increasing=True)
+        expected[name] = (np.concatenate(pos), np.concatenate(vals))
+    return expected
+
+
+def test_records_are_the_parts_concatenated_and_the_arena_is_reused():
+    rng = np.random.default_rng(0)
+    arena = _Arena()
+    builder = _PayloadBuilder(arena=arena)
+    buffers = []
+    for _ in range(4):
+        expected = _queue(builder, rng)
+        records = builder.take(SPECS)
+        assert [r.name for r in records] == ["a", "b"]
+        for r in records:
+            pos, vals = expected[r.name]
+            np.testing.assert_array_equal(r.positions, pos)
+            np.testing.assert_array_equal(r.values, vals)
+            assert r.values.dtype == vals.dtype and r.positions.dtype == np.uint64
+            assert np.shares_memory(r.positions, arena.buf) and np.shares_memory(r.values, arena.buf)
+        buffers.append(arena.buf)
+    # The payloads are no larger than the first (within a factor 2 of growth): one buffer throughout.
+    assert all(b is buffers[-1] for b in buffers[1:])
+
+
+def test_arena_growth_keeps_what_it_handed_out():
+    arena = _Arena().reset()
+    first = arena.concatenate([np.arange(10, dtype=np.int64), np.arange(5, dtype=np.int64)])
+    big = arena.concatenate([np.full(1000, 7, np.uint16), np.full(3000, 9, np.uint16)])  # outgrows the buffer
+    np.testing.assert_array_equal(first, np.r_[np.arange(10), np.arange(5)])
+    assert (big[:1000] == 7).all() and (big[1000:] == 9).all()
+    assert not np.shares_memory(first, big)
+    one = np.arange(3)
+    assert arena.concatenate([one]) is one  # a single part is not copied
