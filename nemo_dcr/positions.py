@@ -471,8 +471,8 @@ def _sample_gaps(p: np.ndarray) -> np.ndarray:
         np.subtract(p[1:], p[:-1], out=g[1:])
         g[1:] -= 1
         return g
-    idx = np.arange(0, p.size - 1, step)
-    return p[idx + 1] - p[idx] - 1
+    k = (p.size - 2) // step + 1  # the gaps after positions 0, step, 2 * step, ... (strided views, no gather)
+    return p[1::step][:k] - p[0::step][:k] - 1
 
 
 def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
