@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import urllib.request
 
-from nemo_dcr.metrics import PrometheusExporter
+from nemo_dcr.metrics import PrometheusExporter, page_faults
 from tests.support.launch import free_port
 
 
@@ -29,3 +30,18 @@ def test_every_number_of_a_refit_is_a_gauge_and_outcomes_are_counted():
     assert got["nemo_dcr_producer_diff_s"] == 0.5
     assert got["nemo_dcr_refits_total"] == 3 and got["nemo_dcr_refits_failed_total"] == 2
     assert not any("note" in k for k in got)
+
+
+def test_page_faults_count_first_touches():
+    pages = 4096
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as m:
+        m.madvise(mmap.MADV_NOHUGEPAGE)  # one fault per page, whatever the transparent huge page setting
+        before = page_faults()
+        for i in range(pages):
+            m[i * mmap.PAGESIZE] = 1  # first touch of each page
+        first = page_faults() - before
+        before = page_faults()
+        for i in range(pages):
+            m[i * mmap.PAGESIZE] = 2  # touched already: no fault
+        again = page_faults() - before
+    assert first >= pages and again < pages // 10
