@@ -68,9 +68,13 @@ def cmd_receive(args) -> int:
 
     from nemo_dcr import registry
     from nemo_dcr.history import open_history
+    from nemo_dcr.malloc import keep_freed_memory
     from nemo_dcr.receiver import Receiver
     from nemo_dcr.runtimes.hf import HFRuntime
 
+    # The staged records of each refit are freed after its commit and needed again at the
+    # next: keeping that memory saves the first touches (page faults) every refit.
+    kept = not args.release_memory and keep_freed_memory()
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
     model.eval()
@@ -81,7 +85,8 @@ def cmd_receive(args) -> int:
                         history=open_history(args.history, transport))
     params = sum(p.numel() for p in model.parameters())
     print(f"[{args.id}] serving version 0 from {args.checkpoint} "
-          f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s)", flush=True)
+          f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s; freed memory "
+          f"{'kept for the next refit' if kept else 'returned to the OS'})", flush=True)
     try:
         receiver.serve_forever()
     finally:
@@ -301,6 +306,9 @@ def main(argv=None) -> int:
     r.add_argument("--key-env", help="environment variable holding the HMAC key")
     r.add_argument("--history", help="catch up from this refit history when behind or uncertain: a directory, "
                                      "or 's3' (the s3 transport's bucket)")
+    r.add_argument("--release-memory", action="store_true",
+                   help="hand memory freed after each refit back to the OS (default: keep it for the next "
+                        "refit, see nemo_dcr/malloc.py)")
     r.set_defaults(func=cmd_receive)
 
     m = sub.add_parser("make-checkpoint", help="write a small random version-0 HF checkpoint")
