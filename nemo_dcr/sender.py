@@ -153,9 +153,8 @@ class _Arena:
         n = sum(a.size for a in arrays)
         start = -(-self.used // self.ALIGN) * self.ALIGN
         end = start + n * dtype.itemsize
-        if end > self.buf.size:
-            # A larger buffer; arrays handed out from the old one keep it alive until dropped.
-            self.buf = np.empty(max(2 * self.buf.size, end - start), np.uint8)
+        if end > self.buf.size:  # a larger buffer; arrays handed out keep the old one alive
+            self.reset(end - start)
             start, end = 0, end - start
         self.used = end
         return np.concatenate(arrays, out=self.buf[start:end].view(dtype))
