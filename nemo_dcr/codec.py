@@ -41,6 +41,7 @@ import hashlib
 import hmac
 import json
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -392,12 +393,34 @@ def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompres
 def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values ascending, their counts) of unsigned values of `width` bytes."""
     if width <= 2 and vals.size:
-        counts = np.zeros(1 << (8 * width), np.int64)
-        kernels.histogram(np.ascontiguousarray(vals).view(f"<u{width}"), counts.size, counts)
-        distinct = np.empty(counts.size, np.int64)
+        v = np.ascontiguousarray(vals).view(f"<u{width}")
+        nbins = 1 << (8 * width)
+        if v.size < 8 * nbins:
+            # Small against the table (a record's values, a sample for the op choice): count
+            # into a table kept zeroed between calls, listing values as they first occur,
+            # so the cost is the values' and not the 2**16 bins' (zeroing them, finding the
+            # non-zero ones: ~60 us a call, three calls per record).
+            distinct = np.empty(min(v.size, nbins), v.dtype)
+            found = np.empty(distinct.size, np.int64)
+            k = kernels.histogram_distinct(v, _zeroed_table(nbins), distinct, found)
+            order = np.argsort(distinct[:k])
+            return distinct[order], found[order]
+        counts = np.zeros(nbins, np.int64)
+        kernels.histogram(v, nbins, counts)
+        distinct = np.empty(nbins, np.int64)
         distinct = distinct[:kernels.nonzero_bins(counts, distinct)]  # (np.flatnonzero is slow on int64)
-        return distinct.astype(np.dtype(f"<u{width}")), counts[distinct]
+        return distinct.astype(v.dtype), counts[distinct]
     return np.unique(vals, return_counts=True)
+
+
+_TABLES = threading.local()  # per thread: nbins -> an all-zero int64 table (histogram_distinct)
+
+
+def _zeroed_table(nbins: int) -> np.ndarray:
+    tables = _TABLES.__dict__.setdefault("by_size", {})
+    if nbins not in tables:
+        tables[nbins] = np.zeros(nbins, np.int64)
+    return tables[nbins]
 
 
 def values_entropy_bits(vals: np.ndarray, width: int) -> float:

@@ -320,6 +320,51 @@ def leb128_parse(buf, start, n, out):
 
 
 @_jit
+def rice_shift(p, cap):
+    """Rice shift r for the sorted int64 positions p (size >= 1), quotient symbols capped at
+    `cap`: the best of three shifts around log2(mean gap) by estimated size (order-0
+    entropy of the capped quotients + r raw bits per gap + 24 bits per escape), on at most
+    ~2**14 gaps evenly spread: all of them (g_0 = p[0]) below 2**15 positions, else the gaps
+    after positions 0, step, 2 * step, ... (step = len(p) >> 14). Negative gaps (unsorted
+    input, which the split then rejects) count as 0. The choice only affects the size,
+    never correctness. One pass for the mean, one for a histogram of the quotients by the
+    smallest shift (those by the two larger shifts are sums of its bins)."""
+    n = p.size
+    step = max(1, n >> 14)
+    k = n if step == 1 else (n - 2) // step + 1
+    after = np.int64(step > 1)  # sample j is the gap ending at p[j * step + after]
+    total = 0
+    for j in range(k):
+        hi = j * step + after
+        total += max(p[hi] - (p[hi - 1] if hi else -1) - 1, 0)
+    mean = total / k
+    if mean < 2.0:
+        return 0
+    base = max(0, int(np.floor(np.log2(mean))) - 2)
+    top = 4 * cap + 3
+    h0 = np.zeros(top + 1, np.int64)
+    for j in range(k):
+        hi = j * step + after
+        h0[min(max(p[hi] - (p[hi - 1] if hi else -1) - 1, 0) >> base, top)] += 1
+    log_k = np.log2(k)
+    best = np.inf
+    best_r = base
+    for d in range(3):
+        w = 1 << d
+        bits = 0.0
+        esc = 0
+        for sym in range(cap + 1):  # quotients by base + d: symbol min(q >> d, cap) of bin q
+            c = h0[sym * w:(sym + 1) * w if sym < cap else top + 1].sum()
+            if c:
+                bits += c * (log_k - np.log2(c))
+            esc = c
+        size = bits + k * (base + d) + 24 * esc
+        if size < best:
+            best, best_r = size, base + d
+    return best_r
+
+
+@_jit
 def gaps_split(p, r, esc, sym, counts, low, excess):
     """Gaps of sorted int64 positions, split by the Rice shift r.
 
@@ -746,6 +791,26 @@ def histogram(vals, nbins, counts):
         counts[k] += (np.int64(c4[k]) + np.int64(c4[nbins + k]) + np.int64(c4[2 * nbins + k])
                       + np.int64(c4[3 * nbins + k]))
     return nbins
+
+
+@_jit
+def histogram_distinct(vals, table, distinct, found):
+    """Distinct unsigned values in order of first appearance into `distinct`, their counts
+    into `found`; returns how many. `table` (one int64 bin per possible value) must be all
+    zero, and is again on return: for inputs small against the table there is then no
+    pass over all its bins (see codec.value_histogram). (Four interleaved tables, as in
+    `histogram`, measured no faster here.)"""
+    k = 0
+    for i in range(vals.size):
+        v = vals[i]
+        if table[v] == 0:
+            distinct[k] = v
+            k += 1
+        table[v] += 1
+    for j in range(k):
+        found[j] = table[distinct[j]]
+        table[distinct[j]] = 0
+    return k
 
 
 @_jit

@@ -27,8 +27,6 @@ Decoding raises `PositionsError` (a ValueError) with a reason; the codec turns i
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import kernels as _k
@@ -191,8 +189,7 @@ def check_positions(positions: np.ndarray, numel: int) -> str | None:
 # ================================================================ entropy-coded streams
 #
 # `Reader` parses the raw sections of the entropy-coded encodings; `entropy_bits` is the
-# empirical entropy the encoder (shift choice, `codec.choose_op`) and the benchmarks
-# measure against.
+# empirical entropy the encoder (`codec.choose_op`) and the benchmarks measure against.
 
 
 class Reader:
@@ -434,47 +431,6 @@ def decode_rans_pair(a: RansStream, b: RansStream, m: int) -> tuple[np.ndarray, 
 _SYMBOL_CAP_POSITIONS = 256  # quotient alphabet of `gaps_rans` (the last symbol escapes)
 
 
-def _choose_shift(g: np.ndarray) -> int:
-    """Rice shift r: quotients g >> r are entropy-coded, the r low bits sent raw.
-
-    Picks the best of three shifts around log2(mean gap) by estimated size, on a
-    sample of at most 2**16 gaps (the choice only affects size, never correctness)."""
-    s = np.maximum(g[:: max(1, g.size >> 16)], 0)  # unsorted input has negative gaps; the split rejects it
-    mean = float(s.mean()) if s.size else 0.0
-    if mean < 2.0:
-        return 0
-    base = max(0, int(math.floor(math.log2(mean))) - 2)
-    best, best_r = None, base
-    cap = _SYMBOL_CAP_POSITIONS - 1
-    # One histogram of min(g >> base, 4 * cap + 3); the quotients by base + 1 and base + 2
-    # (capped at `cap`) are sums of its bins, so the three candidate histograms hold
-    # exactly the counts (in the same order) of bincount(min(s >> r, cap)).
-    h0 = np.bincount(np.minimum(s >> base, 4 * cap + 3), minlength=4 * (cap + 1))
-    for d, r in enumerate((base, base + 1, base + 2)):
-        w = 1 << d
-        counts = np.empty(cap + 1, np.int64)
-        counts[:cap] = h0[:cap * w].reshape(cap, w).sum(axis=1)
-        counts[cap] = h0[cap * w:].sum()
-        esc = counts[cap]
-        size = entropy_bits(counts) + s.size * r + 24 * esc
-        if best is None or size < best:
-            best, best_r = size, r
-    return best_r
-
-
-def _sample_gaps(p: np.ndarray) -> np.ndarray:
-    """At most ~2**14 gaps of sorted int64 positions, evenly spread (shift choice only)."""
-    step = max(1, p.size >> 14)
-    if step == 1:
-        g = np.empty_like(p)
-        g[0] = p[0]
-        np.subtract(p[1:], p[:-1], out=g[1:])
-        g[1:] -= 1
-        return g
-    k = (p.size - 2) // step + 1  # the gaps after positions 0, step, 2 * step, ... (strided views, no gather)
-    return p[1::step][:k] - p[0::step][:k] - 1
-
-
 def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
     """Raw `gaps_rans` section for sorted, validated positions (count >= 1), and the
     number of later gaps equal to 0 (positions adjacent to the previous one).
@@ -516,7 +472,7 @@ def gaps_parts(positions: np.ndarray) -> GapsParts | None:
     upper bound, the last position, is the caller's)."""
     p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63, else negative here
     n = p.size
-    r = _choose_shift(_sample_gaps(p))
+    r = _k.rice_shift(p, _SYMBOL_CAP_POSITIONS - 1)  # on a sample; one compiled pass or two
     esc = _SYMBOL_CAP_POSITIONS - 1
     sym = np.empty(n, np.uint8)
     counts = np.zeros(_SYMBOL_CAP_POSITIONS, np.int64)

@@ -279,6 +279,67 @@ def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
         assert run(p) == (0, 0, 0, i + 1)
 
 
+def _rice_sample(p: np.ndarray) -> np.ndarray:
+    """The gaps `kernels.rice_shift` estimates on: all of them below 2**15 positions, else
+    those after positions 0, step, 2 * step, ... (negative ones as 0)."""
+    step = max(1, p.size >> 14)
+    g = np.diff(p, prepend=-1) - 1 if step == 1 else (p[1::step] - p[:-1:step])[:(p.size - 2) // step + 1] - 1
+    return np.maximum(g, 0)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rice_shift_picks_the_smallest_estimate_of_three(compiled):
+    """Brute force beside the kernel's one-histogram shortcut: for r in base..base + 2
+    (base = floor(log2(mean gap)) - 2), entropy of the capped quotients + r bits per gap
+    + 24 bits per escape; the kernel picks the smallest (r = 0 below a mean gap of 2)."""
+    shift = kernels.rice_shift if compiled else kernels.rice_shift.py_func
+    rng = np.random.default_rng(8)
+    cap = 255
+    cases = [np.arange(5, dtype=np.int64), np.array([7], np.int64), np.array([0, 1, 2, 10**12], np.int64)]
+    for n, scale in [(20_000, 33), (3000, 1 << 20), (40_000, 2), (200_000, 5)] if compiled else [(3000, 33)]:
+        cases.append(np.sort(rng.choice(n * scale, n, replace=False)).astype(np.int64))
+        heavy = np.where(rng.random(n) < 0.05, rng.integers(0, 4000, n) * scale, rng.integers(0, 40, n))
+        cases.append(np.cumsum(heavy + 1).astype(np.int64))  # quotients up to and past the cap
+    for p in cases:
+        g = _rice_sample(p)
+        mean = g.sum() / g.size
+        if mean < 2:
+            assert shift(p, cap) == 0
+            continue
+        base = max(0, int(np.floor(np.log2(mean))) - 2)
+        sizes = []
+        for r in (base, base + 1, base + 2):
+            counts = np.bincount(np.minimum(g >> r, cap), minlength=cap + 1)
+            nz = counts[counts > 0].astype(float)
+            sizes.append(float((nz * np.log2(g.size / nz)).sum()) + g.size * r + 24 * counts[cap])
+        assert shift(p, cap) == base + int(np.argmin(sizes)), (p.size, sizes)
+    assert shift(np.array([0, 5, 3, 100], np.int64), cap) >= 0  # unsorted: negative gaps count as 0
+
+
+@pytest.mark.parametrize("n", [1, 3, 1000, 100_000, 600_000])
+@pytest.mark.parametrize("width", [1, 2])
+def test_value_histogram_small_and_large_inputs(n, width):
+    """Both paths (a kept zeroed table for inputs small against the 2**(8 * width) bins, a
+    pass over all bins for large ones) give np.unique's answer, and the kept table is
+    zeroed again, so the next call counts from scratch."""
+    rng = np.random.default_rng(n + width)
+    dt = np.dtype(f"<u{width}")
+    for vals in (rng.geometric(0.3, n).astype(dt), rng.integers(0, 1 << (8 * width), n).astype(dt),
+                 np.full(n, 7, dt)):
+        for _ in range(2):
+            distinct, counts = codec.value_histogram(vals, width)
+            expect, expect_counts = np.unique(vals, return_counts=True)
+            assert distinct.dtype == dt
+            np.testing.assert_array_equal(distinct, expect)
+            np.testing.assert_array_equal(counts, expect_counts)
+    table = np.zeros(1 << (8 * width), np.int64)
+    vals = rng.integers(0, 50, 999).astype(dt)
+    distinct, found = np.empty(999, dt), np.empty(999, np.int64)
+    k = kernels.histogram_distinct(vals, table, distinct, found)
+    assert not table.any()
+    np.testing.assert_array_equal(distinct[:k], vals[np.sort(np.unique(vals, return_index=True)[1])])
+
+
 def test_gaps_rans_escapes_and_huge_indices():
     rng = np.random.default_rng(5)
     pos = np.unique(np.concatenate([rng.integers(0, 2**40, 300), [2**63 - 1], [0, 1, 2]]).astype(np.uint64))
@@ -361,7 +422,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     placed_compiled = piece.canonical_index(local)
     for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
                  "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
-                 "histogram", "nonzero_bins", "map_symbols", "lookup"):
+                 "histogram", "histogram_distinct", "nonzero_bins", "rice_shift", "map_symbols", "lookup"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
