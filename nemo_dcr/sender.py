@@ -162,7 +162,7 @@ class _Arena:
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
 # choice only affects the size, and two full histograms cost ~1.5 ns per change each.
-_CHOICE_SAMPLE = 1 << 16
+_CHOICE_SAMPLE = 1 << 14
 
 
 def _choose_op_sampled(pairs: list[tuple[np.ndarray, np.ndarray]]) -> Op:
