@@ -42,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.qwen3_shapes import qwen3_dims, qwen3_shapes  # noqa: E402
 from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
 from tests.support.launch import free_port  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
@@ -62,25 +63,12 @@ def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    heads = max(1, hidden // 128)
-    config = Qwen3Config(hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 64 * 64,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                         head_dim=128 if hidden >= 128 else hidden, vocab_size=vocab, tie_word_embeddings=False,
+    config = Qwen3Config(**qwen3_dims(hidden, layers, vocab), tie_word_embeddings=False,
                          max_position_embeddings=1024, torch_dtype="bfloat16")
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     g = torch.Generator().manual_seed(seed)
-    d, f, hd = hidden, config.intermediate_size, config.head_dim
-    q, kv = heads * hd, config.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                       p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
-                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-                       p + "mlp.down_proj.weight": (d, f)})
+    shapes = qwen3_shapes(hidden, layers, vocab)
     params, shard, shard_bytes, index = 0, {}, 0, {}
     files = 0
 

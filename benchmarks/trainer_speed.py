@@ -4,6 +4,7 @@ real producer (`nemo_dcr.sender.Producer`), beside memcpy of the same bytes.
     python benchmarks/trainer_speed.py           # ~15 seconds on a quiet machine; results/trainer_speed.{json,png}
     python benchmarks/trainer_speed.py --smoke   # seconds (CI smoke; writes to the temp dir)
     python benchmarks/trainer_speed.py --device cuda   # the weights on a GPU (results/trainer_speed_cuda.*)
+    python benchmarks/trainer_speed.py --layout model  # ~40 s; a whole model's tensors (results/trainer_speed_model.*)
 
 Set-up: 4 row-parallel BF16 weights of 4096 x 4096 (64M elements, 128 MiB; --smoke:
 4 x 512 x 512), each placed by a strided piece into a 4096 x 8192 canonical tensor (TP
@@ -11,10 +12,16 @@ rank 0 of 2), as Megatron lays out a row-parallel linear. At each change rate, r
 elements move by +-1 ULP; the producer diffs them against its committed baseline, places
 the changes, encodes payloads (the current wire format) and hands them to a transport end that only
 counts bytes. Throughput is bytes of the BF16 weights scanned per second of producer time
-(diff + place + encode), best of --repeats; memcpy is np.copyto of the same 128 MiB, best
+(diff + place + encode), best of --repeats; memcpy is np.copyto of the same bytes, best
 of 3 before each refit (the best of all of them is reported), measured in the same
 process. The same ratio on CPU time (time.thread_time, for the refit and for memcpy)
 is reported beside: it is less sensitive to other jobs on a shared machine.
+
+With --layout model the producer owns the first half of every parameter of a 4-layer
+Qwen3-style model (hidden 2048, vocabulary 32000: 320M parameters, so 160M owned elements,
+320 MB; --smoke: hidden 256, 1 layer), 51 tensors of every size from 128 to 65M elements,
+placed as is. A real refit codes one record per tensor it touches, so this measures what
+each record costs beside each change (the default layout codes 4 large records).
 
 With --device cuda the weights live on the GPU: the producer diffs them there against its
 device mirror of the baseline (one `ne` + `nonzero` per chunk) and copies only the
@@ -46,7 +53,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nemo_dcr import kernels  # noqa: E402
+from benchmarks.qwen3_shapes import qwen3_shapes  # noqa: E402
 from nemo_dcr.baseline import Baseline  # noqa: E402
+from nemo_dcr.capture import even_split  # noqa: E402
 from nemo_dcr.layout import LocalParam, OwnedRange  # noqa: E402
 from nemo_dcr.placement import AffineMap, Piece  # noqa: E402
 from nemo_dcr.records import Op  # noqa: E402
@@ -83,6 +92,23 @@ def setup(n_params: int, rows: int, cols: int, device: str = "cpu"):
         specs[canon] = ("BF16", (rows, 2 * cols))
         params.append(t)
     return params, owned, maps, specs
+
+
+def setup_model(hidden: int, layers: int, vocab: int, device: str = "cpu"):
+    """A Qwen3-style model (benchmarks/qwen3_shapes.py) of which this producer owns the first
+    half of every parameter (data-parallel rank 0 of 2, `capture.torch_owned_ranges`),
+    placed as is: many records of every size, as a real model's refit has. Returns the
+    owned views as the tensors to perturb."""
+    torch.manual_seed(0)
+    owned, maps, specs = [], {}, {}
+    for name, shape in qwen3_shapes(hidden, layers, vocab).items():
+        t = (torch.randn(shape) * 0.02).to(torch.bfloat16).to(device)
+        rows, cols = shape if len(shape) == 2 else (1, shape[0])
+        start, stop = even_split(t.numel(), 0, 2)
+        owned.append(OwnedRange(LocalParam(name, shape, torch.bfloat16), start, stop, t.view(-1)[start:stop]))
+        maps[name] = AffineMap(name, t.numel(), (Piece(name, 0, rows, cols, 0, cols),))
+        specs[name] = ("BF16", shape)
+    return [r.tensor for r in owned], owned, maps, specs
 
 
 def perturb(params, rate: float, rng) -> int:
@@ -135,6 +161,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="where the weights live: cpu (default) or cuda")
+    ap.add_argument("--layout", choices=("weights", "model"), default="weights",
+                    help="4 large row-parallel weights (default), or a whole Qwen3-style model's tensors")
     ap.add_argument("--out", default=None,
                     help="results JSON (default: benchmarks/results/trainer_speed.json; with --smoke, the temp dir)")
     args = ap.parse_args()
@@ -142,7 +170,7 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         sys.exit(f"trainer_speed: --device {args.device} needs a CUDA GPU, and torch sees none")
     if args.out is None:
-        name = "trainer_speed" + ("_cuda" if cuda else "")
+        name = "trainer_speed" + ("_model" if args.layout == "model" else "") + ("_cuda" if cuda else "")
         args.out = (os.path.join(tempfile.gettempdir(), f"{name}_smoke.json") if args.smoke
                     else str(REPO / "benchmarks" / "results" / f"{name}.json"))
     load_before = list(os.getloadavg())
@@ -151,7 +179,10 @@ def main() -> None:
     rates = [0.01, 0.05] if args.smoke else [0.001, 0.01, 0.03, 0.05]
     ops = [Op.XOR, AUTO]
     repeats = 2 if args.smoke else args.repeats
-    params, owned, maps, specs = setup(4, rows, cols, args.device)
+    if args.layout == "model":
+        params, owned, maps, specs = setup_model(*((256, 1, 1000) if args.smoke else (2048, 4, 32000)), args.device)
+    else:
+        params, owned, maps, specs = setup(4, rows, cols, args.device)
     total = sum(t.numel() for t in params)
     src = np.empty(total, np.int16)
     dst = np.empty_like(src)
@@ -211,7 +242,8 @@ def main() -> None:
             # Commit nothing: restore the committed bits for the next rate.
             for r in owned:
                 r.tensor.view(torch.int16).copy_(baseline.committed(r.key))
-    result = {"benchmark": "trainer_speed", "smoke": args.smoke, "device": args.device,
+    result = {"benchmark": "trainer_speed", "smoke": args.smoke, "device": args.device, "layout": args.layout,
+              "tensors": len(owned),
               "gpu": torch.cuda.get_device_name() if cuda else None, "elements": total, "threads": 1,
               "machine": {"python": platform.python_version(), "platform": platform.platform(),
                           "torch": torch.__version__, "numpy": np.__version__,

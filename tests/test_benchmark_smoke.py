@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from nemo_dcr import codec
 from tests.support.launch import REPO, worker_env
 
@@ -43,9 +45,11 @@ def test_codec_benchmark_smoke(tmp_path):
     assert "crossover_rate" in res["sweep"]
 
 
-def test_trainer_speed_benchmark_smoke(tmp_path):
-    res = _run(["benchmarks/trainer_speed.py"], tmp_path, "trainer_speed")
-    assert res["benchmark"] == "trainer_speed" and res["threads"] == 1
+@pytest.mark.parametrize("layout", ["weights", "model"])
+def test_trainer_speed_benchmark_smoke(tmp_path, layout):
+    res = _run(["benchmarks/trainer_speed.py", "--layout", layout], tmp_path, "trainer_speed")
+    assert res["benchmark"] == "trainer_speed" and res["threads"] == 1 and res["layout"] == layout
+    assert res["tensors"] == (4 if layout == "weights" else 14)
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
         assert {"diff_gbs", "place_gbs", "encode_gbs", "ratio_to_memcpy", "wire_bytes"} <= row.keys()
