@@ -346,6 +346,9 @@ def rice_shift(p, cap):
     for j in range(k):
         hi = j * step + after
         h0[min(max(p[hi] - (p[hi - 1] if hi else -1) - 1, 0) >> base, top)] += 1
+    below = np.zeros(top + 2, np.int64)  # below[b]: quotients by base in bins < b
+    for b in range(top + 1):
+        below[b + 1] = below[b] + h0[b]
     log_k = np.log2(k)
     best = np.inf
     best_r = base
@@ -354,7 +357,7 @@ def rice_shift(p, cap):
         bits = 0.0
         esc = 0
         for sym in range(cap + 1):  # quotients by base + d: symbol min(q >> d, cap) of bin q
-            c = h0[sym * w:(sym + 1) * w if sym < cap else top + 1].sum()
+            c = below[(sym + 1) * w if sym < cap else top + 1] - below[sym * w]
             if c:
                 bits += c * (log_k - np.log2(c))
             esc = c
