@@ -402,7 +402,12 @@ def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarra
             # non-zero ones: ~60 us a call, three calls per record).
             distinct = np.empty(min(v.size, nbins), v.dtype)
             found = np.empty(distinct.size, np.int64)
-            k = kernels.histogram_distinct(v, _zeroed_table(nbins), distinct, found)
+            table = _zeroed_table(nbins)
+            try:
+                k = kernels.histogram_distinct(v, table, distinct, found)
+            except BaseException:  # interrupted (as Python, without numba): a dirty table would miscount later
+                table[:] = 0
+                raise
             order = np.argsort(distinct[:k])
             return distinct[order], found[order]
         counts = np.zeros(nbins, np.int64)

@@ -321,7 +321,7 @@ def leb128_parse(buf, start, n, out):
 
 @_jit
 def rice_shift(p, cap):
-    """Rice shift r for the sorted int64 positions p (size >= 1), quotient symbols capped at
+    """Rice shift r for the sorted int64 positions p (0 when empty), quotient symbols capped at
     `cap`: the best of three shifts around log2(mean gap) by estimated size (order-0
     entropy of the capped quotients + r raw bits per gap + 24 bits per escape), on at most
     ~2**14 gaps evenly spread: all of them (g_0 = p[0]) below 2**15 positions, else the gaps
@@ -330,6 +330,8 @@ def rice_shift(p, cap):
     never correctness. One pass for the mean, one for a histogram of the quotients by the
     smallest shift (those by the two larger shifts are sums of its bins)."""
     n = p.size
+    if n == 0:
+        return 0
     step = max(1, n >> 14)
     k = n if step == 1 else (n - 2) // step + 1
     after = np.int64(step > 1)  # sample j is the gap ending at p[j * step + after]

@@ -340,6 +340,22 @@ def test_value_histogram_small_and_large_inputs(n, width):
     np.testing.assert_array_equal(distinct[:k], vals[np.sort(np.unique(vals, return_index=True)[1])])
 
 
+def test_value_histogram_table_stays_clean_when_interrupted(monkeypatch):
+    """Without numba the counting loop is Python and can be interrupted half-way: the kept
+    table is zeroed again, so the next histogram (and the records coded from it) is right."""
+    def interrupted(vals, table, distinct, found):
+        table[vals[0]] += 5
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kernels, "histogram_distinct", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
+    monkeypatch.undo()
+    distinct, counts = codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
+    assert distinct.tolist() == [3, 4] and counts.tolist() == [2, 1]
+    assert kernels.rice_shift(np.empty(0, np.int64), 255) == 0
+
+
 def test_gaps_rans_escapes_and_huge_indices():
     rng = np.random.default_rng(5)
     pos = np.unique(np.concatenate([rng.integers(0, 2**40, 300), [2**63 - 1], [0, 1, 2]]).astype(np.uint64))
