@@ -395,7 +395,7 @@ def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarra
     if width <= 2 and vals.size:
         v = np.ascontiguousarray(vals).view(f"<u{width}")
         nbins = 1 << (8 * width)
-        if v.size < 8 * nbins:
+        if v.size < max(4096, 8 * nbins):
             # Small against the table (a record's values, a sample for the op choice): count
             # into a table kept zeroed between calls, listing values as they first occur,
             # so the cost is the values' and not the 2**16 bins' (zeroing them, finding the

@@ -773,13 +773,14 @@ def rans_decode2(words1, freq1, cum1, slot2sym1, out1, words2, freq2, cum2, slot
 
 @_jit
 def histogram(vals, nbins, counts):
-    """counts[v] += 1 for each unsigned value (width <= 2: vals < nbins).
+    """counts[v] += 1 for each unsigned value (width <= 2: vals < nbins), for inputs large
+    against the table (codec.value_histogram takes `histogram_distinct` for the others).
 
-    Large inputs (large against the tables) count into four interleaved uint32 tables,
-    summed at the end: a run of equal values (the common case: few distinct deltas)
-    would otherwise chain every increment on the previous one."""
+    Counts go to four interleaved uint32 tables, summed at the end: a run of equal values
+    (the common case: few distinct deltas) would otherwise chain every increment on the
+    previous one."""
     n = vals.size
-    if n < max(4096, 8 * nbins) or n >= (1 << 32):
+    if n >= (1 << 32):  # the uint32 tables could overflow
         for i in range(n):
             counts[vals[i]] += 1
         return nbins
