@@ -335,10 +335,12 @@ def rice_shift(p, cap):
     step = max(1, n >> 14)
     k = n if step == 1 else (n - 2) // step + 1
     after = np.int64(step > 1)  # sample j is the gap ending at p[j * step + after]
+    g = np.empty(k, np.int64)
     total = 0
     for j in range(k):
         hi = j * step + after
-        total += max(p[hi] - (p[hi - 1] if hi else -1) - 1, 0)
+        g[j] = max(p[hi] - (p[hi - 1] if hi else -1) - 1, 0)
+        total += g[j]
     mean = total / k
     if mean < 2.0:
         return 0
@@ -346,8 +348,7 @@ def rice_shift(p, cap):
     top = 4 * cap + 3
     h0 = np.zeros(top + 1, np.int64)
     for j in range(k):
-        hi = j * step + after
-        h0[min(max(p[hi] - (p[hi - 1] if hi else -1) - 1, 0) >> base, top)] += 1
+        h0[min(g[j] >> base, top)] += 1
     below = np.zeros(top + 2, np.int64)  # below[b]: quotients by base in bins < b
     for b in range(top + 1):
         below[b + 1] = below[b] + h0[b]
