@@ -30,6 +30,7 @@ import zstandard
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.outputs import results_path  # noqa: E402
 from nemo_dcr import codec  # noqa: E402
 from nemo_dcr.positions import entropy_bits  # noqa: E402
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
@@ -242,7 +243,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (for CI)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "codec.json"))
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/codec.json; with --smoke, the temp dir)")
     args = ap.parse_args()
     args.rates = [0.01, 0.03, 0.05]
     args.n = 1 << 18 if args.smoke else 16 << 20
@@ -263,7 +264,7 @@ def main() -> None:
               "platform": platform.platform(), "processor": platform.processor()},
               "format_version": codec.FORMAT_VERSION, "synthetic": syn, "real": real, "sweep": sw,
               "wall_s": time.perf_counter() - t0}
-    out = Path(args.out)
+    out = results_path("codec", args.out, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     try:

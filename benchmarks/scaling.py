@@ -64,6 +64,7 @@ from pathlib import Path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
 from tests.support.launch import free_port  # noqa: E402
 
@@ -72,7 +73,6 @@ import torch  # noqa: E402
 
 CHUNK = 2 << 20  # BF16 elements per dense payload (4 MiB)
 SEED = 1234
-DEFAULT_OUT = str(REPO / "benchmarks" / "results" / "scaling.json")
 NOT_ROOT = "scaling: a shaped link (relay@MBIT) needs root (ip netns, tc); or drop it from --links"
 
 
@@ -489,7 +489,7 @@ def run(args) -> int:
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
                     "torch": torch.__version__, "load_average_end": list(os.getloadavg())},
     }
-    out = Path(args.out)
+    out = results_path("scaling", args.out, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
@@ -603,7 +603,7 @@ def resummarize(args) -> int:
     links = [{k: v for k, v in ln.items() if k not in ("size_sweep", "rate_sweep")} for ln in result["links"]]
     result["links"] = summarize(links, result["points"], p["size_params"], p["rates"], p["size_rate"],
                                 p["rate_params"])
-    out = Path(args.out) if args.out != DEFAULT_OUT else path
+    out = Path(args.out) if args.out else path
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print_tables(result)
@@ -615,7 +615,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny models, local transport, seconds (CI)")
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/scaling.json; with --smoke, the temp dir)")
     ap.add_argument("--resummarize", metavar="JSON", help="redo sweeps, crossovers, tables and plot from the raw "
                     "points of an earlier results file (written back to it unless --out is given)")
     ap.add_argument("--links", default="local,relay@1000",

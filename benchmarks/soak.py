@@ -77,7 +77,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+
+from benchmarks.outputs import results_path  # noqa: E402
 
 COUNTS = ("fds", "sockets", "files", "shm", "threads")
 HEAP = ("gc_objects", "py_blocks", "pool_threads", "heap_in_use_mib", "heap_free_mib")
@@ -429,8 +430,7 @@ def main() -> int:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # the receivers' glibc reads it
         if ctypes.CDLL(None).mallopt(-3, args.malloc_mmap_threshold) != 1:  # M_MMAP_THRESHOLD, this process
             raise SystemExit("mallopt(M_MMAP_THRESHOLD) failed")
-    default_name = "soak.json" if args.transport == "local" else f"soak-{args.transport}.json"
-    out = Path(args.out) if args.out else RESULTS / default_name
+    out = results_path("soak" if args.transport == "local" else f"soak-{args.transport}", args.out, smoke)
     workdir = Path(tempfile.mkdtemp(prefix="nemo-dcr-soak-"))
     try:
         return run(args, out, workdir)

@@ -42,7 +42,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from nemo_dcr import kernels  # noqa: E402
+from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_shapes  # noqa: E402
 from nemo_dcr.baseline import Baseline  # noqa: E402
 from nemo_dcr.capture import even_split  # noqa: E402
@@ -169,10 +169,8 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         sys.exit(f"trainer_speed: --device {args.device} needs a CUDA GPU, and torch sees none")
-    if args.out is None:
-        name = "trainer_speed" + ("_model" if args.layout == "model" else "") + ("_cuda" if cuda else "")
-        args.out = (os.path.join(tempfile.gettempdir(), f"{name}_smoke.json") if args.smoke
-                    else str(REPO / "benchmarks" / "results" / f"{name}.json"))
+    name = "trainer_speed" + ("_model" if args.layout == "model" else "") + ("_cuda" if cuda else "")
+    args.out = str(results_path(name, args.out, args.smoke))
     load_before = list(os.getloadavg())
     torch.set_num_threads(1)
     rows = cols = 512 if args.smoke else 4096

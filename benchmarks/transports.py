@@ -28,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.outputs import results_path  # noqa: E402
 from nemo_dcr import registry  # noqa: E402
 from nemo_dcr.transport import TransferInfo  # noqa: E402
 
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--payload-mib", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="seconds-long run (CI): tiny payloads, one repeat")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "transports.json"))
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/transports.json; "
+                                  "with --smoke, the temp dir)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.payloads, args.payload_mib, args.repeats = 4, 0.0625, 1
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
                 results.append(r)
                 print(f"{name:<10}{n:>4}{args.payloads * size / 1e6:>10.1f}MB{r['best_s']:>10.3f}"
                       f"{r['throughput_MBps']:>10.1f}", flush=True)
-    out = Path(args.out)
+    out = results_path("transports", args.out, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "note": "loopback; receivers are separate processes; best of repeats"}
