@@ -1,7 +1,7 @@
 """End-to-end refit over a shaped link, beside a full-checkpoint transfer over the same link.
 
-    sudo python benchmarks/e2e_link.py                 # ~15-30 min: 1.07B params, 2 producers, 2 receivers
-    python benchmarks/e2e_link.py --smoke --no-shape   # seconds: tiny model, unshaped loopback (CI smoke)
+    sudo python benchmarks/e2e_link.py                 # ~5 min: 1.07B params, 2 producers, 2 receivers
+    python benchmarks/e2e_link.py --smoke --no-shape   # ~30 s: tiny model, unshaped loopback (CI smoke)
 
 Set-up (root: it needs a network namespace): a private network namespace whose loopback
 is shaped with `tc tbf` to --mbit (1000: 1 Gbit/s); everything below runs inside it, so
@@ -22,7 +22,7 @@ every byte between processes crosses the shaped link.
 Lower bound per refit: max(bytes that cross the link / link rate, bytes scanned /
 (memcpy per core x cores)); every receiver's copy crosses the one shaped loopback, so the
 link carries wire bytes x receivers (and the dense reference checkpoint x receivers).
-Results: benchmarks/results/e2e_link.json and .png.
+Results: benchmarks/results/e2e_link.json and .png (--smoke: e2e_link_smoke.* in the temp dir; or --out).
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_dims, qwen3_shapes  # noqa: E402
 from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
 from tests.support.launch import free_port  # noqa: E402
-RESULTS = REPO / "benchmarks" / "results"
 NOT_ROOT = "e2e_link: shaping needs root (ip netns, tc); run with sudo, or --no-shape"
 
 
@@ -273,12 +273,11 @@ def inside(args) -> int:
                   "cores": cores, "dense_transfer_s": dense_s, "dense_load_s": load_s,
                   "full_refit_s": full_refit_s, "rows": out_rows,
                   "machine": {"python": platform.python_version(), "platform": platform.platform()}}
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        name = "e2e_link_smoke" if args.smoke else "e2e_link"
-        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
-        log(f"wrote {RESULTS / f'{name}.json'}")
-        if not args.smoke:
-            plot(result, RESULTS / f"{name}.png")
+        path = results_path("e2e_link", args.out, args.smoke)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        plot(result, path.with_suffix(".png"))
+        log(f"wrote {path} and {path.with_suffix('.png')}")
         return 0 if all(r["all_bit_exact"] for r in out_rows) else 1
     finally:
         if not args.keep:
@@ -330,6 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-shape", action="store_true", help="run on the plain loopback (no namespace, no root)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
     ap.add_argument("--workdir")
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/e2e_link.json; with --smoke, "
+                                  "the temp dir); the PNG beside it")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

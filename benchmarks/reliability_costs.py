@@ -1,8 +1,8 @@
 """What reliability costs: read-back verification, storing the history, anchors, catch-up,
 and an in-place retry, beside a plain refit of the same model and change rate.
 
-    python benchmarks/reliability_costs.py            # ~3-5 minutes; results/reliability_costs.json
-    python benchmarks/reliability_costs.py --smoke    # seconds (CI smoke)
+    python benchmarks/reliability_costs.py            # ~3-5 minutes; results/reliability_costs.{json,png}
+    python benchmarks/reliability_costs.py --smoke    # seconds (CI smoke; writes to the temp dir)
 
 Set-up: a Llama-shaped Hugging Face model in BF16 (default ~110M parameters; --smoke:
 ~1M), one trainer rank and one real HF receiver (thread) over the local transport. Each
@@ -40,6 +40,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.outputs import results_path  # noqa: E402
 from nemo_dcr import dtypes, registry  # noqa: E402
 from nemo_dcr.capture import torch_owned_ranges  # noqa: E402
 from nemo_dcr.checkpoint import read_specs  # noqa: E402
@@ -114,7 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--rate", type=float, default=0.03)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "reliability_costs.json"))
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/reliability_costs.json; "
+                                  "with --smoke, the temp dir)")
     args = ap.parse_args(argv)
     repeats = 1 if args.smoke else args.repeats
     out: dict = {"benchmark": "reliability_costs", "smoke": args.smoke, "rate": args.rate,
@@ -172,10 +174,39 @@ def main(argv=None) -> int:
             out["overhead"] = {k: rows[k]["refit_s"] / plain - 1 for k in ("readback", "history")}
         finally:
             dist.destroy_process_group()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    path = results_path("reliability_costs", args.out, args.smoke)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    plot(out, path.with_suffix(".png"))
     print(json.dumps({k: out[k] for k in ("params", "overhead", "anchor_s", "catch_up", "dense_load_s")}, indent=1))
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """One bar per cost, in seconds, the plain refit's time marked for scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, catch = result["rows"], result["catch_up"]
+    bars = [("plain refit", rows["plain"]["refit_s"]),
+            ("refit + read-back", rows["readback"]["refit_s"]),
+            ("refit + history", rows["history"]["refit_s"]),
+            (f"retried refit ({rows['retry']['attempts']} attempts)", rows["retry"]["refit_s"]),
+            ("writing an anchor", result["anchor_s"]),
+            (f"catch-up by {len(catch['deltas']['deltas'])} deltas", catch["deltas"]["seconds"]),
+            ("catch-up: anchor + deltas", catch["anchor"]["seconds"]),
+            ("dense load (from_pretrained)", result["dense_load_s"])]
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    ax.barh([b[0] for b in bars][::-1], [b[1] for b in bars][::-1], color="#4a7")
+    ax.axvline(rows["plain"]["refit_s"], color="k", ls="--", lw=1)
+    ax.set_xlabel("seconds")
+    ax.set_title(f"{result['params'] / 1e6:.0f}M params, {result['rate']:.0%} of elements changed "
+                 "(dashed: plain refit)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _fresh_receiver(ckpt: Path, history) -> Receiver:

@@ -4,8 +4,11 @@ writes its results."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +89,37 @@ def test_scaling_benchmark_smoke(tmp_path):
             assert row["wire_bytes"] > 0 and row["refit_s"] > 0 and row["dense_s"] > 0 and row["verify_s"] >= 0
             assert {"producer_diff", "producer_encode", "producer_transfer", "receiver_apply"} <= row["stages"].keys()
             assert row["ratio_delta_over_dense"] == row["refit_s"] / row["dense_s"]
+
+
+def test_e2e_link_benchmark_smoke(tmp_path):
+    """Two torchrun producers and two HF receiver processes on the plain loopback: every
+    refit bit-exact, and the rows carry what BENCHMARKS.md reports (benchmarks/e2e_link.py)."""
+    res = _run(["benchmarks/e2e_link.py", "--no-shape"], tmp_path, "e2e_link")
+    assert res["benchmark"] == "e2e_link" and res["smoke"] and not res["shaped"]
+    assert res["producers"] == 2 and res["receivers"] == 2 and res["dense_transfer_s"] > 0
+    assert [r["rate"] for r in res["rows"]] == [0.03, 0.05]
+    for row in res["rows"]:
+        assert row["all_bit_exact"] and row["changed_elements"] > 0 and row["wire_bytes"] > 0
+        assert row["refit_s"] > 0 and row["lower_bound_s"] > 0 and 0 < row["pause_s"] <= row["refit_s"]
+        assert row["refit_over_bound"] == row["refit_s"] / row["lower_bound_s"]
+        assert {"producer_diff_s", "producer_encode_s"} <= row["producer"].keys()
+
+
+def test_reliability_costs_benchmark_smoke():
+    """Without --out a smoke run writes to the temp dir, never over the committed results."""
+    committed = REPO / "benchmarks" / "results" / "reliability_costs.json"
+    before = committed.read_bytes()
+    tmp = Path(tempfile.mkdtemp(prefix="rc-"))  # short: the local transport's socket paths live below it
+    try:
+        proc = subprocess.run([sys.executable, "benchmarks/reliability_costs.py", "--smoke"], cwd=REPO,
+                              env={**worker_env(), "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert committed.read_bytes() == before
+        res = json.loads((tmp / "reliability_costs_smoke.json").read_text())
+        assert (tmp / "reliability_costs_smoke.png").exists()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert res["benchmark"] == "reliability_costs" and res["smoke"]
+    assert set(res["rows"]) == {"plain", "readback", "history", "retry"} and res["rows"]["retry"]["attempts"] == 2
+    assert res["rows"]["readback"]["readback_s"] > 0 and res["rows"]["history"]["history_s"] > 0
+    assert res["anchor_s"] > 0 and set(res["catch_up"]) == {"deltas", "anchor"}
