@@ -12,6 +12,7 @@ Entropy bound of one tensor's delta (k changed elements of n):
 Neither term charges for describing the model (counts, tables); the codec pays those.
 NeMo-RL-style reference: sorted positions as gaps (uint16 if all fit, else uint32) plus
 the XOR values as uint16, concatenated, then zstd level 1 (one frame per tensor).
+Every payload whose size is reported is decoded and checked against what was encoded.
 """
 
 from __future__ import annotations
@@ -69,11 +70,24 @@ def nemo_rl_style_bytes(pos: np.ndarray, xor_vals: np.ndarray) -> int:
     return len(zstandard.ZstdCompressor(level=1).compress(blob))
 
 
+def encode_checked(payload: Payload, dense: str = "auto") -> tuple[bytes, float]:
+    """(the encoded payload, seconds to encode it), after checking that it decodes to exactly
+    its records (the decode is not timed): every size reported is of a payload that works."""
+    t = time.perf_counter()
+    data = codec.encode(payload, dense=dense)
+    secs = time.perf_counter() - t
+    back = codec.decode(data).records
+    for want, got in zip(payload.records, back, strict=True):
+        if (got.name, Op(got.op)) != (want.name, Op(want.op)) or not (
+                np.array_equal(got.positions, want.positions) and np.array_equal(got.values, want.values)):
+            raise SystemExit(f"codec benchmark: record {want.name!r} does not decode to what was encoded")
+    return data, secs
+
+
 def encode_record(name, n, op, pos, vals, dense="auto") -> tuple[int, float]:
     rec = Record(name, "BF16", (n,), op, pos.astype(np.uint64), vals)
-    t = time.perf_counter()
-    data = codec.encode(Payload(HDR, [rec]), dense=dense)
-    return len(data), time.perf_counter() - t
+    data, secs = encode_checked(Payload(HDR, [rec]), dense)
+    return len(data), secs
 
 
 def ulp_delta(n: int, rate: float, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -170,7 +184,7 @@ def real_model(args) -> list[dict]:
                 op = codec.choose_op(xv, av, 2)
                 payload.records.append(Record(name, "BF16", (o.size,), op, pos.astype(np.uint64),
                                               xv if op is Op.XOR else av))
-        one = len(codec.encode(payload))
+        one = len(encode_checked(payload)[0])
         res = {"lr": lr, "params": nparams, "steps": args.steps, "changed": tot["changed"],
                "rate": tot["changed"] / nparams, "wire_bytes": tot["wire_bytes"], "one_payload_bytes": one,
                "bound_bytes": tot["bound_bytes"], "nemo_rl_bytes": tot["nemo_rl_bytes"],

@@ -11,7 +11,9 @@ Set-up: 4 row-parallel BF16 weights of 4096 x 4096 (64M elements, 128 MiB; --smo
 rank 0 of 2), as Megatron lays out a row-parallel linear. At each change rate, random
 elements move by +-1 ULP; the producer diffs them against its committed baseline, places
 the changes, encodes payloads (the current wire format) and hands them to a transport end that only
-counts bytes. Throughput is bytes of the BF16 weights scanned per second of producer time
+counts and keeps them. After every refit, outside the timing, a receiver holding the committed
+state (`TensorStoreRuntime`) decodes and applies them, every bit of it is compared with the
+trainer's weights, and the apply is undone: `verify_s` is that check's time. Throughput is bytes of the BF16 weights scanned per second of producer time
 (diff + place + encode), best of --repeats; memcpy is np.copyto of the same bytes, best
 of 3 before each refit (the best of all of them is reported), measured in the same
 process. The same ratio on CPU time (time.thread_time, for the refit and for memcpy)
@@ -51,7 +53,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nemo_dcr import kernels  # noqa: E402
+from nemo_dcr import codec, kernels  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_shapes  # noqa: E402
 from nemo_dcr.baseline import Baseline  # noqa: E402
@@ -59,18 +61,23 @@ from nemo_dcr.capture import even_split  # noqa: E402
 from nemo_dcr.layout import LocalParam, OwnedRange  # noqa: E402
 from nemo_dcr.placement import AffineMap, Piece  # noqa: E402
 from nemo_dcr.records import Op  # noqa: E402
+from nemo_dcr.runtimes.store import TensorStoreRuntime  # noqa: E402
 from nemo_dcr.sender import AUTO, Producer  # noqa: E402
 from nemo_dcr.transport import TransferInfo  # noqa: E402
+from nemo_dcr.verify import bit_mismatches  # noqa: E402
 
 
-class CountingEnd:
-    """A ProducerEnd that only counts bytes (no transport cost in the measurement)."""
+class KeepingEnd:
+    """A ProducerEnd that counts the bytes and keeps a reference to each payload, for the
+    check after the refit (no transport cost in the measurement)."""
 
     def __init__(self):
         self.bytes = 0
+        self.payloads = []
 
     def send(self, transfer, payload_id, data):
         self.bytes += len(data)
+        self.payloads.append(data)
 
     def flush(self, transfer, payload_ids):
         return {}
@@ -80,8 +87,11 @@ class CountingEnd:
 
 
 def setup(n_params: int, rows: int, cols: int, device: str = "cpu"):
+    """Row-parallel weights (TP rank 0 of 2). Returns (the tensors to perturb, the owned
+    ranges, maps, specs, canonical): canonical() is the trainer's state in checkpoint
+    coordinates on the host (the other rank's half: zeros, never changed)."""
     torch.manual_seed(0)
-    params, owned, maps, specs = [], [], {}, {}
+    params, owned, maps, specs, canon_names = [], [], {}, {}, []
     for i in range(n_params):
         name = f"decoder.layers.{i}.mlp.linear_fc2.weight"
         canon = f"model.layers.{i}.mlp.down_proj.weight"
@@ -91,16 +101,21 @@ def setup(n_params: int, rows: int, cols: int, device: str = "cpu"):
         maps[name] = AffineMap(name, rows * cols, (Piece(canon, 0, rows, cols, 0, 2 * cols),))
         specs[canon] = ("BF16", (rows, 2 * cols))
         params.append(t)
-    return params, owned, maps, specs
+        canon_names.append(canon)
+
+    def canonical() -> dict[str, torch.Tensor]:
+        return {c: torch.cat([t.cpu(), torch.zeros_like(t, device="cpu")], dim=1) for c, t in zip(canon_names, params)}
+
+    return params, owned, maps, specs, canonical
 
 
 def setup_model(hidden: int, layers: int, vocab: int, device: str = "cpu"):
     """A Qwen3-style model (benchmarks/qwen3_shapes.py) of which this producer owns the first
     half of every parameter (data-parallel rank 0 of 2, `capture.torch_owned_ranges`),
     placed as is: many records of every size, as a real model's refit has. Returns the
-    owned views as the tensors to perturb."""
+    owned views as the tensors to perturb, and the rest as `setup` does."""
     torch.manual_seed(0)
-    owned, maps, specs = [], {}, {}
+    owned, maps, specs, full = [], {}, {}, {}
     for name, shape in qwen3_shapes(hidden, layers, vocab).items():
         t = (torch.randn(shape) * 0.02).to(torch.bfloat16).to(device)
         rows, cols = shape if len(shape) == 2 else (1, shape[0])
@@ -108,7 +123,28 @@ def setup_model(hidden: int, layers: int, vocab: int, device: str = "cpu"):
         owned.append(OwnedRange(LocalParam(name, shape, torch.bfloat16), start, stop, t.view(-1)[start:stop]))
         maps[name] = AffineMap(name, t.numel(), (Piece(name, 0, rows, cols, 0, cols),))
         specs[name] = ("BF16", shape)
-    return [r.tensor for r in owned], owned, maps, specs
+        full[name] = t
+
+    def canonical() -> dict[str, torch.Tensor]:
+        return {n: t.cpu() for n, t in full.items()}
+
+    return [r.tensor for r in owned], owned, maps, specs, canonical
+
+
+def check(end: KeepingEnd, receiver: TensorStoreRuntime, expected: dict[str, torch.Tensor], changed: int) -> float:
+    """Decode the refit's payloads, apply them to the receiver's copy of the committed state,
+    compare every bit with the trainer's state, then undo the apply: the seconds it took.
+    Exits on any difference (a benchmark of a wrong refit would be meaningless)."""
+    t = time.perf_counter()
+    records = [r for data in end.payloads for r in codec.decode(data).records]
+    log = receiver.apply(records)
+    bad = bit_mismatches(expected, receiver.canonical_state())
+    receiver.revert(log)
+    got = sum(len(r) for r in records)
+    if bad or got != changed:
+        sys.exit(f"trainer_speed: the refit is not bit-exact: {got} changes decoded of {changed}; "
+                 f"tensors that differ: {bad[:5]}")
+    return time.perf_counter() - t
 
 
 def perturb(params, rate: float, rng) -> int:
@@ -178,9 +214,10 @@ def main() -> None:
     ops = [Op.XOR, AUTO]
     repeats = 2 if args.smoke else args.repeats
     if args.layout == "model":
-        params, owned, maps, specs = setup_model(*((256, 1, 1000) if args.smoke else (2048, 4, 32000)), args.device)
+        params, owned, maps, specs, canonical = setup_model(*((256, 1, 1000) if args.smoke else (2048, 4, 32000)),
+                                                            args.device)
     else:
-        params, owned, maps, specs = setup(4, rows, cols, args.device)
+        params, owned, maps, specs, canonical = setup(4, rows, cols, args.device)
     total = sum(t.numel() for t in params)
     src = np.empty(total, np.int16)
     dst = np.empty_like(src)
@@ -194,22 +231,26 @@ def main() -> None:
     for rate in rates:
         for op in ops:
             baseline = Baseline()
-            end = CountingEnd()
+            end = KeepingEnd()
             prod = Producer("p0", owned, maps, specs, baseline, end, op=op)
+            # A receiver holding the committed state, to check every refit (outside the timing).
+            receiver = TensorStoreRuntime({k: v.clone() for k, v in canonical().items()})
             changed = perturb(params, rate, rng)
-            best, mem, mem_cpu, cpu_best = None, 0.0, 0.0, float("inf")
+            expected = canonical()
+            best, mem, mem_cpu, cpu_best, verify_s = None, 0.0, 0.0, float("inf"), []
             for rep in range(repeats):
                 if cuda:  # the reference is the device's own copy bandwidth
                     m_wall = m_cpu = device_copy_gbs(total, args.device, 3)
                 else:
                     m_wall, m_cpu = memcpy_gbs(src, dst, 3)
                 mem, mem_cpu = max(mem, m_wall), max(mem_cpu, m_cpu)
-                end.bytes = 0
+                end.bytes, end.payloads = 0, []
                 info = TransferInfo(f"t{rep}", 0, 1, ("p0",))
                 c0 = time.thread_time()
                 rep_ = prod.refit(info)
                 cpu_best = min(cpu_best, time.thread_time() - c0)
                 baseline.abort()
+                verify_s.append(check(end, receiver, expected, changed))
                 t = rep_.times
                 busy = t["diff"] + t["place"] + t["encode"]
                 if best is None or busy < best["busy_s"]:
@@ -228,14 +269,15 @@ def main() -> None:
                    # machine shared with other jobs, where wall-clock includes preemption.
                    "cpu_refit_s": cpu_best, "memcpy_cpu_gbs": mem_cpu,
                    "cpu_gbs": best["scanned_bytes"] / cpu_best / 1e9,
-                   "cpu_ratio_to_memcpy": best["scanned_bytes"] / cpu_best / 1e9 / mem_cpu, **best}
+                   "cpu_ratio_to_memcpy": best["scanned_bytes"] / cpu_best / 1e9 / mem_cpu,
+                   "bit_exact": True, "verify_s": float(np.median(verify_s)), **best}
             assert best["changed"] == changed, (best["changed"], changed)
             rows_out.append(row)
             print(f"  rate {rate:>6.1%} op={row['op']:<4}: diff+place+encode {gbs:5.2f} GB/s = "
                   f"{row['ratio_to_memcpy']:.2f} x memcpy ({mem:.2f} GB/s)  [diff {row['diff_gbs']:.2f}, place "
                   f"{row['place_gbs']:.2f}, encode {row['encode_gbs']:.2f} GB/s]  wire {best['wire_bytes']:,} B; "
                   f"CPU time: {row['cpu_gbs']:.2f} GB/s = {row['cpu_ratio_to_memcpy']:.2f} x memcpy "
-                  f"({mem_cpu:.2f} GB/s)",
+                  f"({mem_cpu:.2f} GB/s); every refit bit-exact (verify {row['verify_s']:.2f} s each)",
                   flush=True)
             # Commit nothing: restore the committed bits for the next rate.
             for r in owned:
@@ -274,13 +316,14 @@ def main() -> None:
     except ImportError:
         print("(matplotlib missing: no plot)")
     print("\n| change rate | op | memcpy GB/s | diff+place+encode GB/s | x memcpy | diff | place | encode | "
-          "encode ns/change | total ns/change | CPU-time x memcpy | wire bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "encode ns/change | total ns/change | CPU-time x memcpy | wire bytes | verify s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows_out:
         print(f"| {r['rate']:.1%} | {r['op']} | {r['memcpy_gbs']:.2f} | {r['total_gbs']:.2f} | "
               f"{r['ratio_to_memcpy']:.2f} | "
               f"{r['diff_gbs']:.2f} | {r['place_gbs']:.2f} | {r['encode_gbs']:.2f} | {r['ns_per_change_encode']:.0f} | "
-              f"{r['ns_per_change_total']:.0f} | {r['cpu_ratio_to_memcpy']:.2f} | {r['wire_bytes']:,} |")
+              f"{r['ns_per_change_total']:.0f} | {r['cpu_ratio_to_memcpy']:.2f} | {r['wire_bytes']:,} | "
+              f"{r['verify_s']:.2f} |")
     print(f"wrote {out}")
 
 

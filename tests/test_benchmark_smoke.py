@@ -56,6 +56,7 @@ def test_trainer_speed_benchmark_smoke(tmp_path, layout):
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
         assert {"diff_gbs", "place_gbs", "encode_gbs", "ratio_to_memcpy", "wire_bytes"} <= row.keys()
+        assert row["bit_exact"] and row["verify_s"] > 0
         assert row["op"] in ("xor", "auto")
 
 
