@@ -1,7 +1,8 @@
 """Codec benchmark: bytes on the wire vs the empirical entropy bound vs a NeMo-RL-style
-codec, on synthetic and real BF16 deltas; xor vs add; the sparse/dense crossover.
+codec and other peers' encodings (dense xor + zstd-1; raw gaps + BF16 values), on synthetic
+and real BF16 deltas; xor vs add; the sparse/dense crossover.
 
-    python benchmarks/codec.py            # ~3-6 minutes on 2 cores; results/codec.{json,png}
+    python benchmarks/codec.py            # ~30 s on a quiet machine; results/codec.{json,png}
     python benchmarks/codec.py --smoke    # seconds; tiny sizes (CI smoke)
 
 Entropy bound of one tensor's delta (k changed elements of n):
@@ -70,6 +71,23 @@ def nemo_rl_style_bytes(pos: np.ndarray, xor_vals: np.ndarray) -> int:
     return len(zstandard.ZstdCompressor(level=1).compress(blob))
 
 
+def dense_xor_zstd_bytes(n: int, pos: np.ndarray, xor_vals: np.ndarray) -> int:
+    """Dense XOR + zstd level 1 (SkyRL; slime's dense mode): the whole tensor's XOR with the
+    previous bits, zeros where nothing changed, compressed as one frame."""
+    dense = np.zeros(n, np.uint16)
+    dense[pos] = xor_vals
+    return len(zstandard.ZstdCompressor(level=1).compress(dense.tobytes()))
+
+
+def sparse_raw_bytes(pos: np.ndarray) -> int:
+    """TRL-style sparse overwrite, uncompressed: u16 gaps when every gap fits (else int32
+    indices) + the new BF16 values, 2 bytes each."""
+    if pos.size == 0:
+        return 0
+    gaps = np.diff(pos.astype(np.int64), prepend=0)
+    return pos.size * ((2 if int(gaps.max()) < (1 << 16) else 4) + 2)
+
+
 def encode_checked(payload: Payload, dense: str = "auto") -> tuple[bytes, float]:
     """(the encoded payload, seconds to encode it), after checking that it decodes to exactly
     its records (the decode is not timed): every size reported is of a payload that works."""
@@ -116,7 +134,8 @@ def analyse(name: str, n: int, pos: np.ndarray, old_v: np.ndarray, new_v: np.nda
             "wire_bytes": ours, "wire_xor": sx, "wire_add": sa, "encode_s": secs,
             "bound_bytes": bound, "pos_bound_bits": pb, "pos_binom_bits": binom, "pos_gap_entropy_bits": hg,
             "val_entropy_xor_bits": hx, "val_entropy_add_bits": ha,
-            "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv)}
+            "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv), "dense_xor_zstd_bytes": dense_xor_zstd_bytes(n, pos, xv),
+            "sparse_raw_bytes": sparse_raw_bytes(pos)}
 
 
 def synthetic(args, rng) -> list[dict]:
@@ -173,7 +192,8 @@ def real_model(args) -> list[dict]:
             if pos.size:
                 rows.append(analyse(name, o.size, pos, o[pos], nw[pos]))
         tot = {k: sum(r[k] for r in rows) for k in ("wire_bytes", "bound_bytes", "nemo_rl_bytes", "changed",
-                                                   "wire_xor", "wire_add")}
+                                                   "wire_xor", "wire_add", "dense_xor_zstd_bytes",
+                                                   "sparse_raw_bytes")}
         # The same records in one real payload (headers included), as a producer would send them.
         payload = Payload(HDR, [])
         for name in before:
@@ -188,6 +208,7 @@ def real_model(args) -> list[dict]:
         res = {"lr": lr, "params": nparams, "steps": args.steps, "changed": tot["changed"],
                "rate": tot["changed"] / nparams, "wire_bytes": tot["wire_bytes"], "one_payload_bytes": one,
                "bound_bytes": tot["bound_bytes"], "nemo_rl_bytes": tot["nemo_rl_bytes"],
+               "dense_xor_zstd_bytes": tot["dense_xor_zstd_bytes"], "sparse_raw_bytes": tot["sparse_raw_bytes"],
                "wire_xor_only": tot["wire_xor"], "wire_add_only": tot["wire_add"],
                "ops": {op: sum(1 for r in rows if r["op"] == op) for op in ("xor", "add")}, "tensors": rows}
         out.append(res)
@@ -213,6 +234,7 @@ def sweep(args, rng) -> dict:
         bound = (pb + codec.values_entropy_bits(vals, 2)) / 8
         rows.append({"rate": rate, "changed": int(pos.size), "sparse_bytes": sp, "dense_bytes": de, "auto_bytes": au,
                      "dense_raw_bf16_bytes": 2 * n, "bound_bytes": bound, "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv),
+                     "dense_xor_zstd_bytes": dense_xor_zstd_bytes(n, pos, xv),
                      "encode_s_sparse": tsp, "encode_s_dense": tde, "encode_s_auto": tau, "op": op.value})
         print(f"  sweep {rate:>6.1%}: sparse {sp:>10,} B  dense {de:>10,} B  auto {au:>10,} B  "
               f"bound {bound:>10,.0f} B  encode {tau * 1e3:7.1f} ms", flush=True)
@@ -229,10 +251,12 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[0]
     syn = result["synthetic"]
     x = np.arange(len(syn))
-    for i, (key, label) in enumerate([("wire_bytes", f"NeMo-DCR v{codec.FORMAT_VERSION}"),
-                                      ("bound_bytes", "entropy bound"),
-                                      ("nemo_rl_bytes", "NeMo-RL-style (gaps+xor, zstd-1)")]):
-        ax.bar(x + (i - 1) * 0.27, [r[key] / r["changed"] for r in syn], 0.27, label=label)
+    bars = [("wire_bytes", f"NeMo-DCR v{codec.FORMAT_VERSION}"), ("bound_bytes", "entropy bound"),
+            ("nemo_rl_bytes", "NeMo-RL-style (gaps+xor, zstd-1)"), ("dense_xor_zstd_bytes", "dense xor, zstd-1"),
+            ("sparse_raw_bytes", "TRL-style (gaps/indices + bf16, raw)")]
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * width, [r[key] / r["changed"] for r in syn], width, label=label)
     ax.set_xticks(x, [f"{r['rate']:.0%} synthetic" for r in syn])
     ax.set_ylabel("bytes per changed element")
     ax.set_title("Wire size, +-1 ULP BF16 deltas")
@@ -242,6 +266,7 @@ def plot(result: dict, path: Path) -> None:
     rates = [r["rate"] for r in sw]
     for key, label in [("sparse_bytes", "sparse"), ("dense_bytes", "dense (coded)"), ("auto_bytes", "auto"),
                        ("bound_bytes", "entropy bound"), ("nemo_rl_bytes", "NeMo-RL-style"),
+                       ("dense_xor_zstd_bytes", "dense xor, zstd-1"),
                        ("dense_raw_bf16_bytes", "dense raw BF16")]:
         ax.plot(rates, [r[key] / result["sweep"]["numel"] for r in sw], marker="o", label=label)
     ax.set_xscale("log")
@@ -298,6 +323,14 @@ def main() -> None:
               f"{r['one_payload_bytes'] / r['bound_bytes']:.3f} | "
               f"{r['nemo_rl_bytes']:,} | {r['one_payload_bytes'] / r['nemo_rl_bytes']:.3f} | "
               f"xor {r['ops']['xor']} / add {r['ops']['add']} tensors |")
+    print("\nPeer encodings, bytes on the wire (and NeMo-DCR's share of each):")
+    print("| data | change rate | NeMo-DCR | NeMo-RL-style | dense xor + zstd-1 | TRL-style raw |")
+    print("|---|---|---|---|---|---|")
+    for label, r, ours in ([(f"synthetic +-1 ULP, {args.n:,} elts", r, r["wire_bytes"]) for r in syn]
+                           + [(f"real, AdamW lr={r['lr']:g}", r, r["one_payload_bytes"]) for r in real]):
+        print(f"| {label} | {r['rate']:.2%} | {ours:,} | " + " | ".join(
+            f"{r[k]:,} ({ours / r[k]:.2f})" for k in ("nemo_rl_bytes", "dense_xor_zstd_bytes", "sparse_raw_bytes"))
+            + " |")
     print(f"\ndense crossover (coded dense < sparse) at change rate: {sw['crossover_rate']}")
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
 

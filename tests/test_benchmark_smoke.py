@@ -41,6 +41,7 @@ def test_codec_benchmark_smoke(tmp_path):
     assert res["benchmark"] == "codec" and res["format_version"] == codec.FORMAT_VERSION
     for row in res["synthetic"]:
         assert row["wire_bytes"] > 0 and row["bound_bytes"] > 0 and row["nemo_rl_bytes"] > 0
+        assert row["dense_xor_zstd_bytes"] > 0 and row["sparse_raw_bytes"] == row["changed"] * 4
         assert row["op"] in ("xor", "add") and 0 < row["rate"] < 1
     assert res["real"] and all(r["one_payload_bytes"] > 0 and r["bound_bytes"] > 0 for r in res["real"])
     rows = res["sweep"]["rows"]
