@@ -20,7 +20,8 @@ def free_port() -> int:
     """A free TCP port on loopback, below the kernel's ephemeral range: a port that peers
     keep reconnecting to while its node is down must not become some socket's ephemeral
     port (or a self-connect of the reconnecting socket), or the restarted node cannot bind
-    it again."""
+    it again. Never one this process was given before: the port is only reserved once
+    bound, so two nodes of one cluster drawing the same free port would collide."""
     low = _ephemeral_low()
     for _ in range(500):
         port = _PORTS.randrange(10000, low) if low > 12000 else 0
@@ -29,11 +30,15 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return s.getsockname()[1]
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
     raise RuntimeError("no free TCP port on 127.0.0.1 below the ephemeral range")
 
 
 _PORTS = random.Random()
+_GIVEN: set[int] = set()
 
 
 def _ephemeral_low() -> int:
