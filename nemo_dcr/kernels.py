@@ -703,8 +703,9 @@ def _decode_step(x, words, p, freq, cum, slot2sym, out, k):
     about as often as it is taken), so the caller guarantees words[p] exists. Unsigned
     throughout, so indexing needs no negative-index handling."""
     slot = x & np.uint64(0xFFFF)
-    s = np.uint64(slot2sym[slot])
-    out[k] = slot2sym[slot]
+    sym = slot2sym[slot]
+    out[k] = sym
+    s = np.uint64(sym)
     x = np.uint64(freq[s]) * (x >> np.uint64(16)) + slot - np.uint64(cum[s])
     small = x < np.uint64(RANS_L)
     w = (x << np.uint64(16)) | np.uint64(words[p])
