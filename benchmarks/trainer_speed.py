@@ -13,8 +13,9 @@ elements move by +-1 ULP; the producer diffs them against its committed baseline
 the changes, encodes payloads (the current wire format) and hands them to a transport end that only
 counts and keeps them. After every refit, outside the timing, a receiver holding the committed
 state (`TensorStoreRuntime`) decodes and applies them, every bit of it is compared with the
-trainer's weights, and the apply is undone: `verify_s` is that check's time. Throughput is bytes of the BF16 weights scanned per second of producer time
-(diff + place + encode), best of --repeats; memcpy is np.copyto of the same bytes, best
+trainer's weights, and the apply is undone: `verify_s` is that check's time. Throughput is
+bytes of the BF16 weights scanned per second of producer time (diff + place + encode), best
+of --repeats; memcpy is np.copyto of the same bytes, best
 of 3 before each refit (the best of all of them is reported), measured in the same
 process. The same ratio on CPU time (time.thread_time, for the refit and for memcpy)
 is reported beside: it is less sensitive to other jobs on a shared machine.
@@ -88,8 +89,8 @@ class KeepingEnd:
 
 def setup(n_params: int, rows: int, cols: int, device: str = "cpu"):
     """Row-parallel weights (TP rank 0 of 2). Returns (the tensors to perturb, the owned
-    ranges, maps, specs, canonical): canonical() is the trainer's state in checkpoint
-    coordinates on the host (the other rank's half: zeros, never changed)."""
+    ranges, maps, specs, canonical): canonical() is a host copy of the trainer's state in
+    checkpoint coordinates (the other rank's half: zeros, never changed)."""
     torch.manual_seed(0)
     params, owned, maps, specs, canon_names = [], [], {}, {}, []
     for i in range(n_params):
@@ -126,7 +127,7 @@ def setup_model(hidden: int, layers: int, vocab: int, device: str = "cpu"):
         full[name] = t
 
     def canonical() -> dict[str, torch.Tensor]:
-        return {n: t.cpu() for n, t in full.items()}
+        return {n: t.detach().to("cpu", copy=True) for n, t in full.items()}
 
     return [r.tensor for r in owned], owned, maps, specs, canonical
 
@@ -206,7 +207,7 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         sys.exit(f"trainer_speed: --device {args.device} needs a CUDA GPU, and torch sees none")
     name = "trainer_speed" + ("_model" if args.layout == "model" else "") + ("_cuda" if cuda else "")
-    args.out = str(results_path(name, args.out, args.smoke))
+    out = results_path(name, args.out, args.smoke)
     load_before = list(os.getloadavg())
     torch.set_num_threads(1)
     rows = cols = 512 if args.smoke else 4096
@@ -234,7 +235,7 @@ def main() -> None:
             end = KeepingEnd()
             prod = Producer("p0", owned, maps, specs, baseline, end, op=op)
             # A receiver holding the committed state, to check every refit (outside the timing).
-            receiver = TensorStoreRuntime({k: v.clone() for k, v in canonical().items()})
+            receiver = TensorStoreRuntime(canonical())
             changed = perturb(params, rate, rng)
             expected = canonical()
             best, mem, mem_cpu, cpu_best, verify_s = None, 0.0, 0.0, float("inf"), []
@@ -291,7 +292,6 @@ def main() -> None:
                           "load_average": list(os.getloadavg())},
               "compiled_kernels": kernels.HAVE_NUMBA, "vector_diff": kernels.HAVE_VECTOR_DIFF,
               "rows": rows_out}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     try:
