@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import traceback
 
 from nemo_dcr import registry
 from tests.support.launch import free_port
@@ -60,22 +62,40 @@ def drain(end, seen, stop, delay=0.0, reject=()):
 
 
 def run_receivers(t, ids, **kw):
-    """Receiver ends on threads running `drain`; returns (seen per receiver, finish)."""
-    stop, threads, seen, ends = threading.Event(), [], {}, []
+    """Receiver ends on threads running `drain`; returns (seen per receiver, finish).
+
+    finish() stops them and fails naming any receiver whose loop died (with its
+    traceback) or did not stop (with where it is stuck): a producer that timed out
+    waiting for a receiver then shows why, not only that it waited."""
+    stop, threads, seen, ends, died = threading.Event(), {}, {}, [], {}
+
+    def loop(rx, end):
+        try:
+            drain(end, seen[rx], stop, **kw)
+        except BaseException:
+            died[rx] = traceback.format_exc()
+            raise
+
     for rx in ids:
         end = t.receiver(rx)
         ends.append(end)
         seen[rx] = []
-        th = threading.Thread(target=drain, args=(end, seen[rx], stop), kwargs=kw, daemon=True)
-        th.start()
-        threads.append(th)
+        threads[rx] = threading.Thread(target=loop, args=(rx, end), daemon=True, name=f"drain-{rx}")
+        threads[rx].start()
 
     def finish():
         stop.set()
-        for th in threads:
+        for th in threads.values():
             th.join(5)
+        frames = sys._current_frames()
+        stuck = {rx: "".join(traceback.format_stack(frames[th.ident])) for rx, th in threads.items()
+                 if th.is_alive() and th.ident in frames}
         for end in ends:
             end.close()
+        problems = [f"receiver loop {rx} died:\n{tb}" for rx, tb in died.items()]
+        problems += [f"receiver loop {rx} did not stop; it is at:\n{st}" for rx, st in stuck.items()]
+        if problems:
+            raise AssertionError("\n".join(problems))
 
     return seen, finish
 
