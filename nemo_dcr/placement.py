@@ -50,8 +50,16 @@ class Piece:
         return self.rows <= 1 or self.row_stride >= self.cols
 
     def canonical_index(self, local: np.ndarray, shift: int = 0) -> np.ndarray:
-        """Canonical flat indices of local flat indices `local + shift` inside this piece (int64)."""
+        """Canonical flat indices of local flat indices `local + shift` inside this piece (int64).
+
+        A piece whose block rows lie end to end in canonical order (one row, or a row
+        stride equal to its width) maps by a constant shift; when that shift is 0 (the
+        piece sits where the local tensor does) the result is `local` itself, not a copy:
+        callers do not write to it."""
         start = self.local_start - shift
+        if local.dtype == np.int64 and (self.rows <= 1 or self.row_stride == self.cols):
+            d = self.offset - start
+            return local if d == 0 else local + d
         if _kernels.HAVE_NUMBA and local.dtype == np.int64 and local.ndim == 1:
             out = np.empty(local.size, np.int64)  # one compiled pass, one division per block row
             _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,

@@ -230,9 +230,11 @@ def test_paired_record_decode_rejects_like_the_single_decodes(monkeypatch, part)
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(1, 50), st.integers(1, 50), st.integers(0, 1000), st.integers(0, 100), st.integers(0, 10**6),
-       st.booleans(), st.integers(0, 2**32 - 1))
-def test_affine_kernel_matches_divmod(rows, cols, extra_stride, start, offset, shuffle, seed):
+@given(st.integers(1, 50), st.integers(1, 50), st.sampled_from([0, 0, 1, 1000]), st.integers(0, 100),
+       st.integers(0, 10**6), st.booleans(), st.integers(0, 100), st.integers(0, 2**32 - 1))
+def test_affine_kernel_matches_divmod(rows, cols, extra_stride, start, offset, shuffle, shift, seed):
+    """Strided pieces (the compiled kernel) and contiguous ones (a constant shift), with
+    the local positions given relative to `shift`."""
     p = Piece("c", start, rows, cols, offset, cols + extra_stride)
     rng = np.random.default_rng(seed)
     local = np.sort(rng.choice(p.size, size=min(p.size, 40), replace=False)).astype(np.int64) + start
@@ -240,7 +242,17 @@ def test_affine_kernel_matches_divmod(rows, cols, extra_stride, start, offset, s
         rng.shuffle(local)
     rel = local - start
     r, c = np.divmod(rel, cols)
-    np.testing.assert_array_equal(p.canonical_index(local), offset + r * p.row_stride + c)
+    np.testing.assert_array_equal(p.canonical_index(local - shift, shift), offset + r * p.row_stride + c)
+
+
+def test_piece_in_place_maps_without_a_copy():
+    """A contiguous piece that sits where the local tensor does (a data-parallel shard of a
+    tensor placed as is) hands the positions back as they are; one elsewhere shifts them."""
+    local = np.array([3, 4, 9, 30], np.int64)
+    assert Piece("c", 0, 4, 8, 0, 8).canonical_index(local) is local
+    assert Piece("c", 2, 1, 40, 7, 40).canonical_index(local - 5, 5) is not local
+    np.testing.assert_array_equal(Piece("c", 2, 1, 40, 7, 40).canonical_index(local - 5, 5), local + 5)
+    np.testing.assert_array_equal(Piece("c", 0, 4, 8, 0, 9).canonical_index(local), [3, 4, 10, 33])
 
 
 # -------------------------------------------------------------- rANS / gaps_rans
