@@ -282,10 +282,12 @@ def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
         return split(p, r, 255, np.empty(p.size, np.uint8), np.zeros(256, np.int64),
                      np.empty((p.size * r + 7) // 8, np.uint8), np.empty(p.size, np.int64))
 
-    pos = np.arange(0, 6000, 3, dtype=np.int64) << (r // 2)
+    pos = np.arange(0, 6003, 3, dtype=np.int64) << (r // 2)
     assert run(pos)[3] == 0
     for i, value in [(1001, pos[1000]),   # equal to the one before
                      (1000, pos[999] - 1),  # below the one before
+                     (1002, pos[1001]), (1003, pos[1002]),  # every place in a step of four gaps
+                     (pos.size - 1, pos[-2]),  # in the last n % 4 gaps (2001 positions: one)
                      (0, -5)]:            # >= 2**63 as a uint64 position
         p = pos.copy()
         p[i] = value
