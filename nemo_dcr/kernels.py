@@ -371,6 +371,17 @@ def rice_shift(p, cap):
 
 
 @_jit
+def _gap_symbol(g, r, esc, excess, ne):
+    """Quotient symbol of gap g by shift r: (min(g >> r, esc), escapes so far), storing the
+    excess of an escaped quotient at excess[ne]."""
+    q = g >> r
+    if q >= esc:
+        excess[ne] = q - esc
+        return esc, ne + 1
+    return q, ne
+
+
+@_jit
 def gaps_split(p, r, esc, sym, counts, low, excess):
     """Gaps of sorted int64 positions, split by the Rice shift r.
 
@@ -386,9 +397,8 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
     of a step into table u (a constant offset once the inner loop is unrolled: ~15%
     faster than indexing by i & 3), and the low bits are collected 32 at a time and
     written as 4 bytes; the last n % 4 gaps, and every gap for r > 32, take the general
-    loop, which writes whole bytes as they fill. The two loops repeat the symbol step on
-    purpose: as a shared jitted helper it is not inlined, and the call per gap made the
-    split ~18x slower."""
+    loop, which writes whole bytes as they fill. Both take a gap's quotient symbol from
+    `_gap_symbol` (inlined: as fast as the same lines written in each loop)."""
     n = p.size
     nc = counts.size
     c4 = np.zeros(4 * nc, np.int64)
@@ -409,11 +419,7 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
                 return 0, 0, 0, i + u + 1
             prev = v
             zeros += g == 0
-            q = g >> r
-            if q >= esc:
-                q = esc
-                excess[ne] = (g >> r) - esc
-                ne += 1
+            q, ne = _gap_symbol(g, r, esc, excess, ne)
             sym[i + u] = q
             c4[u * nc + q] += 1
             acc = (acc << r) | (g & lowmask)  # < 32 bits pending, so < 64 after
@@ -440,11 +446,7 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
             return 0, 0, 0, i + 1
         prev = v
         zeros += g == 0
-        q = g >> r
-        if q >= esc:
-            q = esc
-            excess[ne] = (g >> r) - esc
-            ne += 1
+        q, ne = _gap_symbol(g, r, esc, excess, ne)
         sym[i] = q
         c4[(i & 3) * nc + q] += 1
         left = r
