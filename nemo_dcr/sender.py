@@ -10,6 +10,8 @@ and sends the changes as overwrites, whatever the operation of the affine change
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +44,7 @@ class ProducerReport:
     first_send_s: float | None = None  # seconds from refit start to the first payload leaving
     page_faults: int = 0  # minor page faults of the process during the refit (metrics.page_faults)
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("residual", "diff", "place", "encode", "send", "flush"), 0.0))
+        ("residual", "diff", "place", "encode", "encode_wait", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     payload_ids: list[str] = field(default_factory=list)  # what the manifest lists (sent this attempt)
     all_payload_ids: list[str] = field(default_factory=list)  # ... and those skipped as finished everywhere
@@ -79,14 +81,34 @@ class _PayloadBuilder:
     def clear(self) -> None:
         self.parts, self.elements = {}, 0
 
-    def take(self, specs: dict) -> list[Record]:
-        """The queued changes as one record per canonical tensor (and op), sorted.
+    def detach(self) -> _Batch:
+        """The queued changes as a batch of their own (to be made into records, maybe on
+        another thread); the builder starts empty again."""
+        batch = _Batch(self.parts, self.track_new)
+        self.clear()
+        return batch
 
-        The records' arrays may live in the builder's arena: they are valid until the
-        next take() (the producer encodes them at once)."""
-        records, self.digests, self.digest_s = [], {}, 0.0
-        self.arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
-        cat = self.arena.concatenate
+    def take(self, specs: dict) -> list[Record]:
+        """The queued changes as one record per canonical tensor (and op), sorted
+        (`_Batch.records` in the builder's arena: valid until the next take())."""
+        records, self.digests, self.digest_s = self.detach().records(specs, self.arena)
+        return records
+
+
+class _Batch:
+    """One payload's queued changes: per (canonical tensor, op), the parts in scan order."""
+
+    def __init__(self, parts: dict, track_new: bool):
+        self.parts, self.track_new = parts, track_new
+
+    def records(self, specs: dict, arena: _Arena) -> tuple[list[Record], dict[str, str], float]:
+        """(records, digests, seconds the digests took): one record per canonical tensor
+        (and op), sorted. With `track_new`, digests holds each record's expected
+        post-apply digest. The records' arrays may live in `arena`: they are valid until
+        its next use."""
+        records, digests, digest_s = [], {}, 0.0
+        arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
+        cat = arena.concatenate
         for (name, op), parts in self.parts.items():
             pos = cat([p for p, _, _, _ in parts])
             if op == AUTO:
@@ -104,10 +126,9 @@ class _PayloadBuilder:
             records.append(Record(name, dtype, tuple(shape), op, pos, val))
             if new is not None:
                 t = time.perf_counter()
-                self.digests[name] = region_digest(pos, new)
-                self.digest_s += time.perf_counter() - t
-        self.clear()
-        return records
+                digests[name] = region_digest(pos, new)
+                digest_s += time.perf_counter() - t
+        return records, digests, digest_s
 
 
 def _part_bytes(parts: list) -> int:
@@ -201,13 +222,21 @@ class Producer:
         key: bytes | None = None,
         zstd_level: int = 1,
         params: dict[str, torch.Tensor] | None = None,
+        encode_threads: int = 0,
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
         `op`: xor, add, overwrite, or "auto": per canonical tensor and payload, xor or
-        add, whichever codes smaller (docs/design-notes.md, "Codec")."""
+        add, whichever codes smaller (docs/design-notes.md, "Codec").
+        `encode_threads`: threads that build and encode full payloads while this one goes
+        on diffing (the compiled kernels run without the GIL); 0: it encodes each payload
+        itself before it diffs on. Either way the payloads and their bytes are the same,
+        and they are sent from this thread, in order."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
+        if type(encode_threads) is not int or encode_threads < 0:
+            raise ValueError(f"encode_threads must be an int >= 0, got {encode_threads!r}")
+        self.encode_threads = encode_threads
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
         self.op = AUTO if op == AUTO else Op(op)
         self.max_payload_elements, self.chunk = max_payload_elements, chunk_elements
@@ -217,6 +246,7 @@ class Producer:
         self.keep_sent = False
         self.sent: dict[str, tuple[str, bytes]] = {}
         self._arena = _Arena()  # the payload builders' concatenations, kept between refits
+        self._spare_arenas: list[_Arena] = []  # for payloads encoded on other threads, also kept
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
         self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
         self.affine = [r for r in self.owned if not isinstance(maps[r.param.name], ResidualMap)]
@@ -265,6 +295,65 @@ class Producer:
         op_affine = Op.OVERWRITE if transfer.attempt > 0 else self.op
         if transfer.attempt == 0:
             self.sent = {}
+        # With encode_threads, payloads being encoded elsewhere, in payload order: (id, arena, job, batch).
+        in_flight: deque[tuple[str, _Arena, Future, _Batch]] = deque()
+
+        def encode(batch: _Batch, pid: str, arena: _Arena) -> tuple[bytes | None, dict, float, float]:
+            """(the payload's bytes, None when it is skipped; its records' digests; seconds
+            encoding; seconds digesting)."""
+            t = time.perf_counter()
+            records, digests, digest_s = batch.records(self.specs, arena)  # concatenation, op choice
+            data = None
+            if pid not in skip:
+                header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
+                                       self.id, pid)
+                data = codec.encode(Payload(header, records), key=self.key, level=self.level)
+            return data, digests, time.perf_counter() - t - digest_s, digest_s
+
+        def finish(pid: str, data: bytes | None, digests: dict, encode_s: float, digest_s: float) -> None:
+            rep.times["encode"] += encode_s
+            if transfer.readback:
+                rep.readback[pid] = digests
+                rep.times["digest"] = rep.times.get("digest", 0.0) + digest_s
+            if data is None:
+                return
+            t = time.perf_counter()
+            if rep.first_send_s is None:
+                rep.first_send_s = t - t0
+            self.end.send(transfer, pid, data)
+            rep.times["send"] += time.perf_counter() - t
+            if self.keep_sent:
+                self.sent[pid] = (transfer.transfer_id, data)
+            payload_ids.append(pid)
+            rep.wire_bytes += len(data)
+
+        def collect(keep: int) -> None:
+            """Send the payloads encoded elsewhere, in order, until at most `keep` are left
+            in flight (an encoding error is raised here). One that no thread has started
+            yet is encoded here rather than waited for."""
+            while in_flight and (len(in_flight) > keep or in_flight[0][2].done()):
+                pid, arena, job, batch = in_flight.popleft()
+                t = time.perf_counter()
+                try:
+                    result = encode(batch, pid, arena) if job.cancel() else job.result()
+                finally:
+                    self._spare_arenas.append(arena)
+                rep.times["encode_wait"] += time.perf_counter() - t
+                finish(pid, *result)
+
+        def collect_last() -> None:
+            """At the end: encode here, newest first, what no thread has started, while the
+            threads finish the older ones; then send them all in order."""
+            for k in reversed(range(len(in_flight))):
+                pid, arena, job, batch = in_flight[k]
+                if job.cancel():
+                    done: Future = Future()
+                    try:
+                        done.set_result(encode(batch, pid, arena))
+                    except BaseException as e:
+                        done.set_exception(e)
+                    in_flight[k] = (pid, arena, done, batch)
+            collect(keep=0)
 
         def emit():
             pid = f"{self.id}-{len(all_ids):06d}"
@@ -272,28 +361,13 @@ class Producer:
             if pid in skip and not transfer.readback:
                 builder.clear()
                 return
-            t = time.perf_counter()
-            records = builder.take(self.specs)  # part of encoding: concatenation, op choice
-            rep.times["encode"] += time.perf_counter() - t - builder.digest_s
-            if transfer.readback:
-                rep.readback[pid] = builder.digests
-                rep.times["digest"] = rep.times.get("digest", 0.0) + builder.digest_s
-            if pid in skip:
+            if pool is None:
+                finish(pid, *encode(builder.detach(), pid, self._arena))
                 return
-            t = time.perf_counter()
-            header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
-                                   self.id, pid)
-            data = codec.encode(Payload(header, records), key=self.key, level=self.level)
-            rep.times["encode"] += time.perf_counter() - t
-            t = time.perf_counter()
-            if rep.first_send_s is None:
-                rep.first_send_s = t - t0
-            self.end.send(transfer, header.payload_id, data)
-            rep.times["send"] += time.perf_counter() - t
-            if self.keep_sent:
-                self.sent[pid] = (transfer.transfer_id, data)
-            payload_ids.append(header.payload_id)
-            rep.wire_bytes += len(data)
+            arena = self._spare_arenas.pop() if self._spare_arenas else _Arena()
+            batch = builder.detach()
+            in_flight.append((pid, arena, pool.submit(encode, batch, pid, arena), batch))
+            collect(keep=self.encode_threads)  # a queue no longer than the threads: bounded memory
 
         def scan(key: str, current: torch.Tensor, amap: AffineMap, offset: int, op: Op | str) -> int:
             """Diff `current` against the committed bits under `key`, place the changes
@@ -355,17 +429,24 @@ class Producer:
             rep.changed_elements += changed
             return changed
 
-        for r in self.affine:
-            scan(r.key, dtypes.bits_of(r.tensor), self.maps[r.param.name], r.start, op_affine)
-        for rmap, whole in self.residuals:
-            t = time.perf_counter()
-            outputs = self._residual_outputs(rmap, whole)
-            rep.times["residual"] += time.perf_counter() - t
-            for i, current in enumerate(outputs):
-                if rmap.outputs[i].pieces:  # residual changes always travel as overwrites
-                    rep.residual_elements += scan(rmap.key(i), current, rmap.outputs[i], 0, Op.OVERWRITE)
-        if builder.elements or not all_ids:
-            emit()  # an empty transfer still sends one (empty) payload: receivers see the producer
+        pool = ThreadPoolExecutor(self.encode_threads, f"dcr-encode-{self.id}") if self.encode_threads else None
+        try:
+            for r in self.affine:
+                scan(r.key, dtypes.bits_of(r.tensor), self.maps[r.param.name], r.start, op_affine)
+            for rmap, whole in self.residuals:
+                t = time.perf_counter()
+                outputs = self._residual_outputs(rmap, whole)
+                rep.times["residual"] += time.perf_counter() - t
+                for i, current in enumerate(outputs):
+                    if rmap.outputs[i].pieces:  # residual changes always travel as overwrites
+                        rep.residual_elements += scan(rmap.key(i), current, rmap.outputs[i], 0, Op.OVERWRITE)
+            if builder.elements or not all_ids:
+                emit()  # an empty transfer still sends one (empty) payload: receivers see the producer
+            collect_last()
+        finally:
+            if pool is not None:  # on an error: nothing left running, the arenas free again
+                pool.shutdown(wait=True, cancel_futures=True)
+                self._spare_arenas.extend(arena for _, arena, _, _ in in_flight)
         t = time.perf_counter()
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
