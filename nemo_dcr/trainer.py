@@ -140,6 +140,7 @@ class TrainerRefit:
         op: Op = Op.XOR,
         key: bytes | None = None,
         max_payload_elements: int = 1 << 20,
+        encode_threads: int = 0,
         baseline_dir: str | None = None,
         timeout_s: float = 300.0,
         params: dict[str, torch.Tensor] | None = None,
@@ -198,7 +199,8 @@ class TrainerRefit:
         problem = None
         try:  # computes the residual baselines: a residual that cannot run fails every rank, not one
             self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
-                                     op=op, key=key, max_payload_elements=max_payload_elements, params=params)
+                                     op=op, key=key, max_payload_elements=max_payload_elements, params=params,
+                                     encode_threads=encode_threads)
         except (ConverterError, ValueError, KeyError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)

@@ -69,6 +69,9 @@ def test_a_missing_key_variable_is_named_without_its_value(monkeypatch):
     ({"verify": "sometimes"}, f"{P}.verify: 'sometimes' is not one of: never, every_refit"),
     ({"timeout_s": 0}, f"{P}.timeout_s must be a positive float"),
     ({"max_payload_elements": 2.5}, f"{P}.max_payload_elements must be a positive int"),
+    ({"encode_threads": -1}, f"{P}.encode_threads must be an integer >= 0, got -1"),
+    ({"encode_threads": "2"}, f"{P}.encode_threads must be an integer >= 0, got '2'"),
+    ({"encode_threads": True}, f"{P}.encode_threads must be an integer >= 0, got True"),
     ({"anchors_every": 5}, f"{P}.anchors_every: unknown field"),
     ({"metrics_port": 70000}, f"{P}.metrics_port must be a TCP port number (1-65535), got 70000"),
     ({"metrics_port": "9464"}, f"{P}.metrics_port must be a TCP port number"),
@@ -95,6 +98,12 @@ def test_all_problems_at_once_and_transport_specific_rules():
     local = with_dcr(transport="local", s3=None, local={"dir": "/dev/shm/job"}, state_dir="/shared/state")
     local["colocated"] = {"enabled": True}
     assert from_generation_config(local).transport_config == {"dir": "/dev/shm/job"}
+
+
+def test_encode_threads_reach_the_trainer(monkeypatch):
+    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
+    assert from_generation_config(example_generation()).trainer_kwargs()["encode_threads"] == 0
+    assert from_generation_config(with_dcr(encode_threads=3)).trainer_kwargs()["encode_threads"] == 3
 
 
 def test_metrics_port_is_optional():

@@ -1,5 +1,6 @@
 """The plain-PyTorch path under torch DDP: two trainer ranks own half of every
-parameter each and refit a receiver process bit-exactly."""
+parameter each and refit a receiver process bit-exactly (each rank encoding its payloads
+on two threads beside its diff: TrainerRefit(encode_threads=2))."""
 
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ def main() -> None:
     transport = registry.transport("local", json.loads(args.transport_config), receivers=["rx0"])
     refit = TrainerRefit(registry.converter("identity", model.config), read_specs(args.checkpoint),
                          torch_owned_ranges(ddp, rank, world), ParallelLayout(dp_size=world, dp_rank=rank),
-                         transport, state_dir=args.state_dir, max_payload_elements=2000)
+                         transport, state_dir=args.state_dir, max_payload_elements=2000,
+                         encode_threads=2)  # many small payloads, encoded on two threads beside the diff
     results = []
     attach_post_step_hook(opt, lambda: results.append(refit.refit()))
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()

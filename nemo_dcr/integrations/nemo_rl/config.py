@@ -69,6 +69,7 @@ class DCRSettings:
     verify: str = "every_refit"
     timeout_s: float = 300.0
     max_payload_elements: int = 1 << 20
+    encode_threads: int = 0  # per trainer rank: threads that encode payloads while the rank diffs on
     metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
     max_attempts: int = 1  # tries of one transfer (retries are in place, as overwrites); see docs/nemo-rl.md
     readback: bool = False  # receivers read applied regions back; checked before the commit
@@ -91,7 +92,7 @@ class DCRSettings:
     def trainer_kwargs(self) -> dict:
         """Keyword arguments for `nemo_dcr.trainer.TrainerRefit` (besides what the worker knows)."""
         return {"state_dir": self.state_dir, "op": self.op, "key": self.key(), "timeout_s": self.timeout_s,
-                "max_payload_elements": self.max_payload_elements,
+                "max_payload_elements": self.max_payload_elements, "encode_threads": self.encode_threads,
                 "baseline_dir": self.baseline_dir if self.baseline_storage == "mmap" else None,
                 "max_attempts": self.max_attempts, "readback": self.readback, "history": self.history,
                 "anchor_every": self.anchor_every, "keep_anchors": self.keep_anchors}
@@ -120,7 +121,8 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
                                       f"section (e.g. transport: s3 with s3: {{bucket: ...}})"])
     checker = _Checker(problems)
     known = {"transport", "converter", "converter_options", "op", "state_dir", "baseline", "key_env", "verify",
-             "timeout_s", "max_payload_elements", "metrics_port", "max_attempts", "readback", "history",
+             "timeout_s", "max_payload_elements", "encode_threads", "metrics_port", "max_attempts", "readback",
+             "history",
              *registry.available("nemo_dcr.transports")}
     for unknown in sorted(set(cfg) - known):
         problems.append(f"{PATH}.{unknown}: unknown field (known: {', '.join(sorted(known))})")
@@ -169,6 +171,10 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     verify = checker.choice(cfg, "verify", VERIFY_MODES, default="every_refit")
     timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
     max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
+    encode_threads = cfg.get("encode_threads", 0)
+    if isinstance(encode_threads, bool) or not isinstance(encode_threads, int) or encode_threads < 0:
+        problems.append(f"{PATH}.encode_threads must be an integer >= 0, got {encode_threads!r}")
+        encode_threads = 0
     metrics_port = cfg.get("metrics_port")
     if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
                                      or not 1 <= metrics_port <= 65535):
@@ -197,8 +203,9 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
                        converter_options=dict(options), op=Op(op), state_dir=state_dir, baseline_storage=storage,
                        baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
-                       max_payload_elements=max_payload, metrics_port=metrics_port, max_attempts=max_attempts,
-                       readback=readback, history=store, anchor_every=anchor_every, keep_anchors=keep_anchors)
+                       max_payload_elements=max_payload, encode_threads=encode_threads, metrics_port=metrics_port,
+                       max_attempts=max_attempts, readback=readback, history=store, anchor_every=anchor_every,
+                       keep_anchors=keep_anchors)
 
 
 class _Checker:
