@@ -231,7 +231,9 @@ class Producer:
         `encode_threads`: threads that build and encode full payloads while this one goes
         on diffing (the compiled kernels run without the GIL); 0: it encodes each payload
         itself before it diffs on. Either way the payloads and their bytes are the same,
-        and they are sent from this thread, in order."""
+        and they are sent from this thread, in order. With threads, the process should keep
+        freed memory (`nemo_dcr.malloc.keep_freed_memory`): glibc's per-thread arenas
+        otherwise fault in fresh pages for every payload (docs/design-notes.md)."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
@@ -347,15 +349,10 @@ class Producer:
             for k in reversed(range(len(in_flight))):
                 pid, arena, job, batch = in_flight[k]
                 if job.cancel():
-                    done: Future = Future()
-                    try:
-                        done.set_result(encode(batch, pid, arena))
-                    except BaseException as e:
-                        done.set_exception(e)
-                    in_flight[k] = (pid, arena, done, batch)
+                    in_flight[k] = (pid, arena, _run_now(encode, batch, pid, arena), batch)
             collect(keep=0)
 
-        def emit():
+        def emit(last: bool = False):
             pid = f"{self.id}-{len(all_ids):06d}"
             all_ids.append(pid)
             if pid in skip and not transfer.readback:
@@ -366,8 +363,11 @@ class Producer:
                 return
             arena = self._spare_arenas.pop() if self._spare_arenas else _Arena()
             batch = builder.detach()
-            in_flight.append((pid, arena, pool.submit(encode, batch, pid, arena), batch))
-            collect(keep=self.encode_threads)  # a queue no longer than the threads: bounded memory
+            # The last payload is encoded here: nothing is left to diff, and the hand-over would only cost.
+            job = _run_now(encode, batch, pid, arena) if last else pool.submit(encode, batch, pid, arena)
+            in_flight.append((pid, arena, job, batch))
+            if not last:
+                collect(keep=self.encode_threads)  # a queue no longer than the threads: bounded memory
 
         def scan(key: str, current: torch.Tensor, amap: AffineMap, offset: int, op: Op | str) -> int:
             """Diff `current` against the committed bits under `key`, place the changes
@@ -426,6 +426,8 @@ class Producer:
                 rep.times["place"] += time.perf_counter() - t
                 if builder.elements >= self.max_payload_elements:
                     emit()
+                elif in_flight and in_flight[0][2].done():
+                    collect(keep=self.encode_threads)  # stream what is encoded without waiting for the next payload
             rep.changed_elements += changed
             return changed
 
@@ -441,7 +443,7 @@ class Producer:
                     if rmap.outputs[i].pieces:  # residual changes always travel as overwrites
                         rep.residual_elements += scan(rmap.key(i), current, rmap.outputs[i], 0, Op.OVERWRITE)
             if builder.elements or not all_ids:
-                emit()  # an empty transfer still sends one (empty) payload: receivers see the producer
+                emit(last=True)  # an empty transfer still sends one (empty) payload: receivers see the producer
             collect_last()
         finally:
             if pool is not None:  # on an error: nothing left running, the arenas free again
@@ -490,6 +492,16 @@ class Producer:
         if builder.elements or not ids:
             emit()
         return ids
+
+
+def _run_now(fn, *args) -> Future:
+    """fn(*args) run on this thread, as a finished Future (its result or its exception)."""
+    done: Future = Future()
+    try:
+        done.set_result(fn(*args))
+    except BaseException as e:  # raised again where the result is taken, in payload order
+        done.set_exception(e)
+    return done
 
 
 def _placed(amap: AffineMap, local: np.ndarray):

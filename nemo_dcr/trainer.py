@@ -64,7 +64,9 @@ class RefitResult:
 
         Stage times are the slowest producer's / receiver's: capture is part of diff (the
         owned ranges are live views, read in place); transfer is send + flush; the pause
-        is the receivers' in-place apply (decode and staging happen before it)."""
+        is the receivers' in-place apply (decode and staging happen before it). With
+        encode_threads, encode is the encoding threads' time (it overlaps the diff) and
+        encode_wait the time the rank waited for them."""
         stage = lambda k: max((p["times"][k] for p in self.producers), default=0.0)  # noqa: E731
         applied = self.decision.receivers.values()
         transfer = max((p["times"]["send"] + p["times"]["flush"] for p in self.producers), default=0.0)
@@ -79,7 +81,8 @@ class RefitResult:
             "compression": self.dense_bytes / max(self.wire_bytes, 1),
             "refit_s": self.seconds,
             "payloads": sum(p["payloads"] for p in self.producers),
-            **{f"producer_{k}_s": stage(k) for k in ("residual", "diff", "place", "encode", "send", "flush")},
+            **{f"producer_{k}_s": stage(k)
+               for k in ("residual", "diff", "place", "encode", "encode_wait", "send", "flush")},
             "producer_transfer_s": transfer,
             "receiver_stage_s": max((r.get("stage_s", 0.0) for r in applied), default=0.0),
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),

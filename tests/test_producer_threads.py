@@ -92,7 +92,7 @@ def test_threads_send_the_same_payloads_in_order_from_the_calling_thread(op):
     assert "p0-000002" not in retry[0] and "p0-000002" in retry[2]  # skipped, but its digests are there
 
 
-def test_an_encoding_error_on_a_thread_fails_the_refit_and_leaves_nothing_running(monkeypatch):
+def test_an_encoding_error_fails_the_refit_after_the_payloads_before_it_and_leaves_nothing_running(monkeypatch):
     params, owned, maps, specs = _weights()
     baseline = Baseline()
     end = ThreadNotingEnd()
