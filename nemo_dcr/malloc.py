@@ -11,8 +11,10 @@ round, 120 ms with the memory kept (docs/design-notes.md, "Producer memory").
 the heap, whose free memory is reused) and raises the trim threshold to 2 GiB (the heap
 keeps up to that much free memory). The process then stays at its high-water mark
 between refits. `nemo-dcr receive` calls it (opt out with `--release-memory`); a
-trainer process may call it too. It is process-wide, so a library embedded in someone
-else's process (vLLM, NeMo RL) does not call it on its own.
+trainer process may call it too, and should when its producer encodes on threads
+(`encode_threads`: each thread's malloc arena would hand every payload's memory back).
+It is process-wide, so a library embedded in someone else's process (vLLM, NeMo RL)
+does not call it on its own.
 """
 
 from __future__ import annotations
