@@ -49,10 +49,11 @@ def test_codec_benchmark_smoke(tmp_path):
     assert "crossover_rate" in res["sweep"]
 
 
-@pytest.mark.parametrize("layout", ["weights", "model"])
-def test_trainer_speed_benchmark_smoke(tmp_path, layout):
-    res = _run(["benchmarks/trainer_speed.py", "--layout", layout], tmp_path, "trainer_speed")
-    assert res["benchmark"] == "trainer_speed" and res["threads"] == 1 and res["layout"] == layout
+@pytest.mark.parametrize("layout,threads", [("weights", 0), ("model", 0), ("weights", 2)])
+def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads):
+    res = _run(["benchmarks/trainer_speed.py", "--layout", layout, "--encode-threads", str(threads)], tmp_path,
+               "trainer_speed")
+    assert res["benchmark"] == "trainer_speed" and res["threads"] == 1 + threads and res["layout"] == layout
     assert res["tensors"] == (4 if layout == "weights" else 14)
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
