@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -249,6 +250,7 @@ class Producer:
         self.sent: dict[str, tuple[str, bytes]] = {}
         self._arena = _Arena()  # the payload builders' concatenations, kept between refits
         self._spare_arenas: list[_Arena] = []  # for payloads encoded on other threads, also kept
+        self._pool: ThreadPoolExecutor | None = None  # the encoding threads, started by the first refit
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
         self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
         self.affine = [r for r in self.owned if not isinstance(maps[r.param.name], ResidualMap)]
@@ -431,7 +433,11 @@ class Producer:
             rep.changed_elements += changed
             return changed
 
-        pool = ThreadPoolExecutor(self.encode_threads, f"dcr-encode-{self.id}") if self.encode_threads else None
+        if self.encode_threads and self._pool is None:
+            # Kept for the producer's life: fresh threads every refit would also start on fresh
+            # malloc arenas (page faults); idle, they wait on a queue and exit with the producer.
+            self._pool = ThreadPoolExecutor(self.encode_threads, f"dcr-encode-{self.id}")
+        pool = self._pool
         try:
             for r in self.affine:
                 scan(r.key, dtypes.bits_of(r.tensor), self.maps[r.param.name], r.start, op_affine)
@@ -446,8 +452,10 @@ class Producer:
                 emit(last=True)  # an empty transfer still sends one (empty) payload: receivers see the producer
             collect_last()
         finally:
-            if pool is not None:  # on an error: nothing left running, the arenas free again
-                pool.shutdown(wait=True, cancel_futures=True)
+            if in_flight:  # an error: nothing of this refit left running, the arenas free again
+                for _, _, job, _ in in_flight:
+                    job.cancel()
+                futures_wait([job for _, _, job, _ in in_flight])
                 self._spare_arenas.extend(arena for _, arena, _, _ in in_flight)
         t = time.perf_counter()
         rep.rejected = self.end.flush(transfer, payload_ids)

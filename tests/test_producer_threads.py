@@ -2,7 +2,9 @@
 calling thread diffs on, and the refit sends exactly what the single-threaded producer
 sends - the same payload ids, in the same order, byte for byte - from the calling thread."""
 
+import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -100,24 +102,54 @@ def test_an_encoding_error_fails_the_refit_after_the_payloads_before_it_and_leav
                     encode_threads=2)
     _step(params, 0.05, seed=1)
     real = codec.encode
-    started = []
+    started, running = [], []
 
     def failing(payload, **kw):
         started.append(payload.header.payload_id)
-        if payload.header.payload_id == "p0-000003":
-            raise ValueError("record 'c1': broken on purpose")
-        return real(payload, **kw)
+        running.append(1)
+        try:
+            time.sleep(0.01)  # long enough for the threads to have more payloads in hand
+            if payload.header.payload_id == "p0-000003":
+                raise ValueError("record 'c1': broken on purpose")
+            return real(payload, **kw)
+        finally:
+            running.pop()
 
     monkeypatch.setattr(codec, "encode", failing)
     with pytest.raises(ValueError, match="broken on purpose"):
         prod.refit(TransferInfo("t", 0, 1, ("p0",)))
-    assert not [t for t in threading.enumerate() if t.name.startswith("dcr-encode-")]
+    seen = list(started)
+    time.sleep(0.2)
+    assert not running and started == seen  # nothing of the failed refit runs on, or starts, after it
     assert end.ids == [f"p0-{i:06d}" for i in range(3)]  # those before the failure, in order
     baseline.abort()
     monkeypatch.setattr(codec, "encode", real)
     rep = prod.refit(TransferInfo("t2", 0, 1, ("p0",)))  # the producer is usable again
     assert rep.payload_ids == end.ids[3:] and len(rep.payload_ids) > 6
     assert len(prod._spare_arenas) <= 2 + 1  # arenas come back to the pool, not one per payload
+
+
+def test_encoding_threads_are_kept_between_refits_and_end_with_the_producer():
+    params, owned, maps, specs = _weights()
+    baseline = Baseline()
+    prod = Producer("p0", owned, maps, specs, baseline, KeepingEnd(), max_payload_elements=500,
+                    chunk_elements=4096, encode_threads=2)
+
+    def encoders():
+        return {t.ident for t in threading.enumerate() if t.name.startswith("dcr-encode-p0")}
+
+    _step(params, 0.05, seed=1)
+    prod.refit(TransferInfo("t", 0, 1, ("p0",)))
+    first = encoders()
+    baseline.abort()
+    prod.refit(TransferInfo("t2", 0, 1, ("p0",)))
+    assert first and encoders() == first  # the same threads (and their malloc arenas) again
+    del prod
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while encoders() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not encoders()
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "2", None])
