@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--receivers", required=True, help="comma-separated receiver ids")
     p.add_argument("--state-dir", required=True, help="coordinator state (commit records)")
     p.add_argument("--max-payload-elements", type=int, default=1 << 16)
+    p.add_argument("--encode-threads", type=int, default=0,
+                   help="per rank: threads that encode payloads while the rank diffs on (default 0)")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--results", help="write per-step results as JSON lines here (rank 0)")
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     from nemo_dcr.converter import coverage_report, owned_intervals
     from nemo_dcr.errors import TransferFailed
     from nemo_dcr.layout import LocalParam, ParallelLayout
+    from nemo_dcr.malloc import keep_freed_memory
     from nemo_dcr.records import Op
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
@@ -137,8 +140,11 @@ def main(argv=None) -> int:
     transport = registry.transport(args.transport, json.loads(args.transport_config),
                                    receivers=args.receivers.split(","))
     owned = megatron_owned_ranges(optimizer, model)
+    if args.encode_threads:
+        keep_freed_memory()  # the encoding threads' malloc arenas would otherwise fault in every payload anew
     refit = TrainerRefit(converter, specs, owned, layout, transport, state_dir=args.state_dir,
-                         op=Op(args.op), max_payload_elements=args.max_payload_elements)
+                         op=Op(args.op), max_payload_elements=args.max_payload_elements,
+                         encode_threads=args.encode_threads)
     log(f"[trainer] placement checked: every canonical element has exactly one owner; "
         f"baseline {refit.baseline.nbytes / 2**20:.1f} MiB on this rank")
     # What the producers will actually send, over all ranks (each canonical byte counted once).

@@ -111,6 +111,8 @@ def _free_port() -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.encode_threads < 0:
+        raise SystemExit(f"--encode-threads must be >= 0 (got {args.encode_threads})")
     root = _repo_root()
     work = Path(args.workdir or root / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -182,6 +184,8 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
         cmd += ["--sp"]
     if args.qkv_residual:
         cmd += ["--qkv-residual"]
+    if args.encode_threads:
+        cmd += ["--encode-threads", str(args.encode_threads)]
     if args.dump:
         cmd += ["--dump-dir", str(work / "final")]
     try:
@@ -285,6 +289,8 @@ def main(argv=None) -> int:
     d.add_argument("--layers", type=int, default=4)
     d.add_argument("--hidden", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--encode-threads", type=int, default=0,
+                   help="per trainer rank: threads that encode payloads while the rank diffs on")
     d.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     d.add_argument("--qkv-residual", action="store_true",
                    help="convert fused QKV as a residual (recompute + overwrite) instead of affine pieces")

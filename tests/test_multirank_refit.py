@@ -2,7 +2,8 @@
 transport; after every step each receiver must equal a dense canonical export of
 the trainer (digests of every tensor), and after the last step the full states are
 compared element by element. With `--qkv-residual` the fused QKV travels as a
-residual (recomputed q/k/v rows, overwrites) and must end in the same bits."""
+residual (recomputed q/k/v rows, overwrites) and must end in the same bits; that case
+also encodes on a thread per rank (`--encode-threads 1`)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "llama", "--tied"]
 QWEN2_TP2_PP2 = ["--tp", "2", "--dp", "1", "--pp", "2", "--family", "qwen2"]
 # Virtual PP: each PP rank holds two model chunks (layers 0,2 / 1,3), names carry global layer ids.
 PP2_VPP2_DP2 = ["--tp", "1", "--dp", "2", "--pp", "2", "--vpp", "2", "--family", "llama", "--tied"]
-# Fused QKV as a residual: DP ranks split the producing of q/k/v (whoever owns local element 0).
-TP2_DP2_QKV_RESIDUAL = [*TP2_DP2, "--qkv-residual"]
+# Fused QKV as a residual: DP ranks split the producing of q/k/v (whoever owns local element 0);
+# each rank encodes its payloads (affine and residual changes) on a thread beside its diff.
+TP2_DP2_QKV_RESIDUAL = [*TP2_DP2, "--qkv-residual", "--encode-threads", "1"]
 # MoE under expert parallelism: EP=2 over the DP ranks; dense params sharded by the
 # distributed optimizer over DP, each EP rank the only owner of its experts; receivers
 # apply per-expert records into transformers' fused expert tensors.
