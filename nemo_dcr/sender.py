@@ -60,8 +60,8 @@ class ProducerReport:
 class _PayloadBuilder:
     """Accumulates placed changes per canonical tensor until a payload is full.
 
-    With `track_new`, the new bits of every placed element are kept beside the values,
-    and `digests` (after `take`) holds each record's expected post-apply digest."""
+    With `track_new`, the new bits of every placed element are kept beside the values
+    (for each record's expected post-apply digest: `_Batch.records`)."""
 
     def __init__(self, track_new: bool = False, arena: _Arena | None = None):
         # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
@@ -69,8 +69,6 @@ class _PayloadBuilder:
         self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None, bool]]] = {}
         self.elements = 0
         self.track_new = track_new
-        self.digests: dict[str, str] = {}
-        self.digest_s = 0.0  # of the last take(): the digests' share of it
         self.arena = arena if arena is not None else _Arena()
 
     def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None,
@@ -92,8 +90,7 @@ class _PayloadBuilder:
     def take(self, specs: dict) -> list[Record]:
         """The queued changes as one record per canonical tensor (and op), sorted
         (`_Batch.records` in the builder's arena: valid until the next take())."""
-        records, self.digests, self.digest_s = self.detach().records(specs, self.arena)
-        return records
+        return self.detach().records(specs, self.arena)[0]
 
 
 class _Batch:
@@ -428,7 +425,7 @@ class Producer:
                 rep.times["place"] += time.perf_counter() - t
                 if builder.elements >= self.max_payload_elements:
                     emit()
-                elif in_flight and in_flight[0][2].done():
+                elif in_flight:
                     collect(keep=self.encode_threads)  # stream what is encoded without waiting for the next payload
             rep.changed_elements += changed
             return changed
