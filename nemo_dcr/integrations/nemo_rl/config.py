@@ -171,10 +171,7 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     verify = checker.choice(cfg, "verify", VERIFY_MODES, default="every_refit")
     timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
     max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
-    encode_threads = cfg.get("encode_threads", 0)
-    if isinstance(encode_threads, bool) or not isinstance(encode_threads, int) or encode_threads < 0:
-        problems.append(f"{PATH}.encode_threads must be an integer >= 0, got {encode_threads!r}")
-        encode_threads = 0
+    encode_threads = checker.integer(cfg, "encode_threads", 0, low=0)
     metrics_port = cfg.get("metrics_port")
     if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
                                      or not 1 <= metrics_port <= 65535):
@@ -194,10 +191,8 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     if store == "s3" and transport != "s3":
         problems.append(f"{PATH}.history.store 's3' keeps the history in the s3 transport's bucket; "
                         f"with the {transport} transport give a shared directory")
-    anchor_every, keep_anchors = history.get("anchor_every", 10), history.get("keep_anchors", 2)
-    for name, value, low in (("anchor_every", anchor_every, 0), ("keep_anchors", keep_anchors, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            problems.append(f"{PATH}.history.{name} must be an integer >= {low}, got {value!r}")
+    anchor_every = checker.integer(history, "anchor_every", 10, low=0, where=f"{PATH}.history")
+    keep_anchors = checker.integer(history, "keep_anchors", 2, low=1, where=f"{PATH}.history")
     if problems:
         raise ConfigError(problems)
     return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
@@ -238,6 +233,13 @@ class _Checker:
         if value is not None and (not isinstance(value, str) or not value):
             self.problems.append(f"{self._where(where, name)} must be a non-empty string, got {value!r}")
             return None
+        return value
+
+    def integer(self, cfg: dict, name: str, default: int, *, low: int, where=None) -> int:
+        value = cfg.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            self.problems.append(f"{self._where(where, name)} must be an integer >= {low}, got {value!r}")
+            return default
         return value
 
     def positive(self, cfg: dict, name: str, default, kind: type) -> Any:
