@@ -248,6 +248,7 @@ def main() -> None:
           f"repeats={repeats}, compiled kernels {kernels.HAVE_NUMBA}, AVX-512 diff {kernels.HAVE_VECTOR_DIFF}",
           flush=True)
     rows_out = []
+    cpu_clock = time.process_time if threads else time.thread_time  # with encode threads: the whole process's
     for rate in rates:
         for op in ops:
             baseline = Baseline()
@@ -266,8 +267,6 @@ def main() -> None:
                 mem, mem_cpu = max(mem, m_wall), max(mem_cpu, m_cpu)
                 end.bytes, end.payloads = 0, []
                 info = TransferInfo(f"t{rep}", 0, 1, ("p0",))
-                # CPU time of this thread, or with encode threads of the whole process
-                cpu_clock = time.process_time if threads else time.thread_time
                 c0, w0 = cpu_clock(), time.perf_counter()
                 rep_ = prod.refit(info)
                 wall = time.perf_counter() - w0
