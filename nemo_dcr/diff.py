@@ -113,14 +113,16 @@ _MODES = {("old",): kernels.DIFF_OLD, ("xor",): kernels.DIFF_XOR, ("add",): kern
 
 
 def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",), base: int = 0,
-                ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+                narrow: bool = False) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Changed positions of 1-D integer arrays a (new bits) vs b (committed bits), as one
     compiled pass (requires numba).
 
     Returns (positions int64 + `base`, new bits, [one array per entry of `values`]), where
     `values` is one of (), ("old",), ("xor",), ("add",), ("xor", "add"): the committed
     bits, new ^ old, and new - old wrapping around (two's complement, on the bit view).
-    Every array has a's dtype except the positions. 16-bit inputs on an AVX-512 host take
+    Every array has a's dtype except the positions. `narrow`: int32 positions from the
+    16-bit scan when base + len(a) < 2**31 (half its position compress-stores; callers
+    widen them where they copy anyway). 16-bit inputs on an AVX-512 host take
     `kernels.diff16` (the scan itself writes the values, but for "add" beside "xor");
     others the word scan `kernels.diff_words` plus one vectorised pass per value array."""
     if values not in _MODES:
@@ -134,9 +136,10 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
         both = values == ("xor", "add")
         scan_values = ("xor",) if both else values
         nv = len(scan_values)
-        # int64 positions with `base` added by the scan itself: as fast as int32 stores
-        # with the register-form compress, and no widening pass afterwards.
-        bufs = [np.empty(cap, np.int64)] + [np.empty(cap, a.dtype) for _ in range(1 + nv)]
+        # Positions with `base` added by the scan itself; int32 ones (narrow) take two
+        # compresses per 32 elements where int64 ones take four.
+        pdt = np.int32 if narrow and base + size < (1 << 31) else np.int64
+        bufs = [np.empty(cap, pdt)] + [np.empty(cap, a.dtype) for _ in range(1 + nv)]
         empty = np.empty(0, a.dtype)
 
         def call(i, n):

@@ -26,6 +26,8 @@ import numpy as np
 
 from nemo_dcr import kernels as _kernels
 
+_INT32 = np.iinfo(np.int32)
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -50,22 +52,23 @@ class Piece:
         return self.rows <= 1 or self.row_stride >= self.cols
 
     def canonical_index(self, local: np.ndarray, shift: int = 0) -> np.ndarray:
-        """Canonical flat indices of local flat indices `local + shift` inside this piece (int64).
+        """Canonical flat indices of local flat indices `local + shift` inside this piece
+        (int64; `local` may be int32, as the producer's diff gives them).
 
         A piece whose block rows lie end to end in canonical order (one row, or a row
         stride equal to its width) maps by a constant shift; when that shift is 0 (the
-        piece sits where the local tensor does) the result is `local` itself, not a copy:
-        callers do not write to it."""
+        piece sits where the local tensor does) the result is `local` itself, not a copy
+        (int32 stays int32: those positions are below 2**31): callers do not write to it."""
         start = self.local_start - shift
-        if local.dtype == np.int64 and (self.rows <= 1 or self.row_stride == self.cols):
+        if local.dtype in (np.int64, np.int32) and (self.rows <= 1 or self.row_stride == self.cols):
             d = self.offset - start
-            return local if d == 0 else local + d
-        if _kernels.HAVE_NUMBA and local.dtype == np.int64 and local.ndim == 1:
+            return local if d == 0 else np.add(local, d, dtype=np.int64)
+        if _kernels.HAVE_NUMBA and local.dtype in (np.int64, np.int32) and local.ndim == 1:
             out = np.empty(local.size, np.int64)  # one compiled pass, one division per block row
             _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,
                                   self.row_stride, out)
             return out
-        rel = local - start
+        rel = local.astype(np.int64) - start
         r, c = np.divmod(rel, self.cols)
         return self.offset + r * self.row_stride + c
 
@@ -94,7 +97,7 @@ class AffineMap:
     numel: int
     pieces: tuple[Piece, ...]
     dropped_reason: str = ""  # why uncovered local elements are dropped
-    _starts: np.ndarray = field(init=False, repr=False, compare=False)
+    _bounds: np.ndarray = field(init=False, repr=False, compare=False)  # the pieces' local starts, then stops
 
     def __post_init__(self):
         pieces = tuple(sorted(self.pieces, key=lambda p: p.local_start))
@@ -104,8 +107,8 @@ class AffineMap:
             if p.rows < 0 or p.cols <= 0 or p.local_start < end or p.local_stop > self.numel:
                 raise ValueError(f"{self.local_name}: invalid or overlapping piece {p}")
             end = p.local_stop
-        starts = np.array([p.local_start for p in pieces], dtype=np.int64)
-        object.__setattr__(self, "_starts", starts)
+        bounds = np.array([p.local_start for p in pieces] + [p.local_stop for p in pieces], dtype=np.int64)
+        object.__setattr__(self, "_bounds", bounds)
 
     @property
     def covered(self) -> int:
@@ -122,16 +125,20 @@ class AffineMap:
 
     def place_spans(self, local: np.ndarray, shift: int = 0) -> list[tuple[str, np.ndarray, int, int, bool]]:
         """`place` for local positions `local + shift` (sorted), without materialising the
-        source indices: (canonical name, canonical positions int64, lo, hi, monotone) per
+        source indices: (canonical name, canonical positions, lo, hi, monotone) per
         touched piece, where local[lo:hi] are the positions it places and `monotone`
-        says the canonical positions are strictly increasing (Piece.monotone)."""
+        says the canonical positions are strictly increasing (Piece.monotone). `local`
+        may be int64 or int32; the canonical positions are int64 but where a piece hands
+        `local[lo:hi]` itself back (Piece.canonical_index)."""
         out = []
         if local.size == 0:
             return out
-        bounds = np.searchsorted(local, self._starts - shift, side="left")
+        keys = self._bounds - shift
+        if local.dtype == np.int32:  # else np.searchsorted would first copy `local` to int64
+            keys = keys.clip(_INT32.min, _INT32.max).astype(np.int32)
+        found = np.searchsorted(local, keys, side="left")  # every piece's [lo, hi) in one call
         for i, p in enumerate(self.pieces):
-            lo = int(bounds[i])
-            hi = int(np.searchsorted(local, p.local_stop - shift, side="left"))
+            lo, hi = int(found[i]), int(found[len(self.pieces) + i])
             if hi > lo:
                 out.append((p.canonical, p.canonical_index(local[lo:hi], shift), lo, hi, p.monotone))
         return out

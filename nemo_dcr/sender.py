@@ -108,7 +108,7 @@ class _Batch:
         arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
         cat = arena.concatenate
         for (name, op), parts in self.parts.items():
-            pos = cat([p for p, _, _, _ in parts])
+            pos = cat([p for p, _, _, _ in parts], np.uint64)  # 32-bit parts widen on the way
             if op == AUTO:
                 op = _choose_op_sampled([v for _, v, _, _ in parts])
                 val = cat([v[0] if op is Op.XOR else v[1] for _, v, _, _ in parts])
@@ -133,7 +133,7 @@ def _part_bytes(parts: list) -> int:
     """Arena bytes one record's concatenations take at most (positions, values, new bits)."""
     first = parts[0]
     values = first[1][0] if isinstance(first[1], tuple) else first[1]
-    per = first[0].itemsize + values.itemsize + (first[2].itemsize if first[2] is not None else 0)
+    per = 8 + values.itemsize + (first[2].itemsize if first[2] is not None else 0)  # positions as uint64
     return sum(p[0].size for p in parts) * per + 3 * _Arena.ALIGN
 
 
@@ -164,11 +164,12 @@ class _Arena:
             self.buf = np.empty(max(nbytes, self.buf.size + self.buf.size // 4), np.uint8)
         return self
 
-    def concatenate(self, arrays: list[np.ndarray]) -> np.ndarray:
-        """np.concatenate(arrays) into the arena (one array: itself, not copied)."""
-        if len(arrays) == 1:
+    def concatenate(self, arrays: list[np.ndarray], dtype=None) -> np.ndarray:
+        """np.concatenate(arrays) into the arena, as `dtype` (default: the arrays'); one
+        array already of that dtype is itself, not copied."""
+        dtype = np.dtype(dtype or arrays[0].dtype)
+        if len(arrays) == 1 and arrays[0].dtype == dtype:
             return arrays[0]
-        dtype = arrays[0].dtype
         n = sum(a.size for a in arrays)
         start = -(-self.used // self.ALIGN) * self.ALIGN
         end = start + n * dtype.itemsize
@@ -176,7 +177,8 @@ class _Arena:
             self.reset(end - start)
             start, end = 0, end - start
         self.used = end
-        return np.concatenate(arrays, out=self.buf[start:end].view(dtype))
+        # unsafe: int64 positions (never negative) go to uint64 as astype() would take them
+        return np.concatenate(arrays, out=self.buf[start:end].view(dtype), casting="unsafe")
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
@@ -388,7 +390,8 @@ class Producer:
                 hi = min(lo + step, current.numel())
                 t = time.perf_counter()
                 if fast:
-                    positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=lo)
+                    positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=lo,
+                                                            narrow=True)
                     if positions.size == 0:
                         rep.times["diff"] += time.perf_counter() - t
                         continue
@@ -520,14 +523,18 @@ def _placed(amap: AffineMap, local: np.ndarray):
     return [(name, cpos, src) for name, (cpos, src) in merge_placed(placed).items()]
 
 
+_UNSIGNED = {np.dtype(np.int64): np.uint64, np.dtype(np.int32): np.uint32}
+
+
 def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
-    """`_placed` of local positions `positions + offset` (sorted int64), with a fourth
+    """`_placed` of local positions `positions + offset` (sorted int64 or int32), with a fourth
     field: whether the canonical positions are known strictly increasing. Every touched
     piece with its own tensor (the usual case) takes a contiguous range of `positions`,
     returned as a slice; the offset is folded into the pieces, not added to a copy."""
     spans = amap.place_spans(positions, offset)
     if len({name for name, *_ in spans}) == len(spans):
-        return [(name, cpos.view(np.uint64) if cpos.dtype == np.int64 else cpos.astype(np.uint64),
+        # int32 positions stay 32-bit (as uint32) until the payload's concatenation widens them
+        return [(name, cpos.view(_UNSIGNED[cpos.dtype]) if cpos.dtype in _UNSIGNED else cpos.astype(np.uint64),
                  slice(lo, hi), increasing) for name, cpos, lo, hi, increasing in spans]
     placed = [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in spans]
     return [(name, cpos, src, True) for name, (cpos, src) in merge_placed(placed).items()]

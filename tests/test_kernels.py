@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from nemo_dcr import codec, kernels
 from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff, diff_arrays
 from nemo_dcr.errors import PayloadRejected
-from nemo_dcr.placement import Piece
+from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.positions import (
     PositionsError,
     RansStream,
@@ -112,6 +112,14 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
         pos, nv, vals = diff_arrays(new, old, values, base=1000)
         np.testing.assert_array_equal(pos, ref + 1000)
         assert pos.dtype == np.int64 and nv.dtype == new.dtype
+        # narrow: int32 positions from the 16-bit scan while base + size < 2**31; the rest alike
+        for base in (1000, (1 << 31) - n, (1 << 31) - n + 1):
+            npos, nnv, nvals = diff_arrays(new, old, values, base=base, narrow=True)
+            narrow = vector and dtype == np.int16 and base + n < (1 << 31)
+            assert npos.dtype == (np.int32 if narrow else np.int64)
+            np.testing.assert_array_equal(npos.astype(np.int64), ref + base)
+            for x, y in zip([nnv, *nvals], [nv, *vals]):
+                np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(nv, new[ref])
         want = {"old": old[ref], "xor": new[ref] ^ old[ref], "add": new[ref] - old[ref]}
         assert len(vals) == len(values)
@@ -242,7 +250,37 @@ def test_affine_kernel_matches_divmod(rows, cols, extra_stride, start, offset, s
         rng.shuffle(local)
     rel = local - start
     r, c = np.divmod(rel, cols)
-    np.testing.assert_array_equal(p.canonical_index(local - shift, shift), offset + r * p.row_stride + c)
+    want = offset + r * p.row_stride + c
+    np.testing.assert_array_equal(p.canonical_index(local - shift, shift), want)
+    local32 = (local - shift).astype(np.int32)  # the producer's diff gives int32 positions
+    narrow = p.canonical_index(local32, shift)
+    assert narrow.dtype == np.int64 or narrow is local32  # int32 only when handed back as is
+    np.testing.assert_array_equal(narrow, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 6), st.integers(1, 9)), min_size=1, max_size=6),
+       st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_place_spans_of_int32_positions_match_int64(shapes, shift, seed):
+    """The producer's diff hands placement int32 positions (relative to its owned range):
+    the same spans, canonical positions and order flags as int64 positions, through pieces
+    with gaps between them and a shift; a piece past an int32 key clips, not wraps."""
+    pieces, at = [], 0
+    for gap, rows, cols in shapes:
+        pieces.append(Piece(f"c{len(pieces)}", at + gap, rows, cols, 5 * len(pieces), cols + (len(pieces) % 2)))
+        at += gap + rows * cols
+    amap = AffineMap("w", at, tuple(pieces))
+    rng = np.random.default_rng(seed)
+    local = np.sort(rng.choice(at, size=min(at, 30), replace=False)).astype(np.int64) - shift
+    local = local[local >= 0]
+    local32 = local.astype(np.int32)
+    wide, narrow = amap.place_spans(local, shift), amap.place_spans(local32, shift)
+    assert [(n, lo, hi, m) for n, _, lo, hi, m in narrow] == [(n, lo, hi, m) for n, _, lo, hi, m in wide]
+    for (_, a, lo, hi, _), (_, b, *_) in zip(narrow, wide):
+        assert a.dtype == np.int64 or (a.base is local32 and a.size == hi - lo)  # int32: a view, in place
+        np.testing.assert_array_equal(a, b)
+    far = AffineMap("w", (1 << 33) + 10, (Piece("lo", 0, 1, 10, 0, 10), Piece("hi", 1 << 33, 1, 10, 0, 10)))
+    assert [n for n, *_ in far.place_spans(np.arange(10, dtype=np.int32))] == ["lo"]
 
 
 def test_piece_in_place_maps_without_a_copy():

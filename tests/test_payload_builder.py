@@ -15,11 +15,12 @@ def _queue(builder, rng, n_parts=3):
     expected = {}
     for name, dt in (("a", np.uint16), ("b", np.uint32)):
         cuts = np.sort(rng.choice(1000, 2 * n_parts, replace=False)).reshape(n_parts, 2)
-        pos = [np.arange(lo, hi, dtype=np.uint64) for lo, hi in cuts]
+        # Parts of uint32 positions (int32 from the diff, placed as they are) and of uint64 ones.
+        pos = [np.arange(lo, hi, dtype=rng.choice([np.uint32, np.uint64])) for lo, hi in cuts]
         vals = [rng.integers(1, 2**16, p.size).astype(dt) for p in pos]
         for p, v in zip(pos, vals):
             builder.add(name, Op.XOR, p, v, increasing=True)
-        expected[name] = (np.concatenate(pos), np.concatenate(vals))
+        expected[name] = (np.concatenate(pos).astype(np.uint64), np.concatenate(vals))
     return expected
 
 
@@ -28,8 +29,8 @@ def test_records_are_the_parts_concatenated_and_the_arena_is_reused():
     arena = _Arena()
     builder = _PayloadBuilder(arena=arena)
     buffers = []
-    for _ in range(4):
-        expected = _queue(builder, rng)
+    for n_parts in (3, 3, 3, 3, 1):
+        expected = _queue(builder, rng, n_parts)
         records = builder.take(SPECS)
         assert [r.name for r in records] == ["a", "b"]
         for r in records:
@@ -37,8 +38,10 @@ def test_records_are_the_parts_concatenated_and_the_arena_is_reused():
             np.testing.assert_array_equal(r.positions, pos)
             np.testing.assert_array_equal(r.values, vals)
             assert r.values.dtype == vals.dtype and r.positions.dtype == np.uint64
-            assert np.shares_memory(r.positions, arena.buf) and np.shares_memory(r.values, arena.buf)
-        buffers.append(arena.buf)
+            if n_parts > 1:
+                assert np.shares_memory(r.positions, arena.buf) and np.shares_memory(r.values, arena.buf)
+        if n_parts > 1:
+            buffers.append(arena.buf)
     # The payloads are no larger than the first (within a factor 2 of growth): one buffer throughout.
     assert all(b is buffers[-1] for b in buffers[1:])
 
@@ -52,3 +55,6 @@ def test_arena_growth_keeps_what_it_handed_out():
     assert not np.shares_memory(first, big)
     one = np.arange(3)
     assert arena.concatenate([one]) is one  # a single part is not copied
+    narrow = np.arange(3, dtype=np.uint32)
+    wide = arena.concatenate([narrow], np.uint64)  # ... unless it must widen
+    assert wide.dtype == np.uint64 and np.shares_memory(wide, arena.buf) and list(wide) == [0, 1, 2]
