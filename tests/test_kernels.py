@@ -334,9 +334,11 @@ def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
 
 def _rice_sample(p: np.ndarray) -> np.ndarray:
     """The gaps `kernels.rice_shift` estimates on: all of them below 2**15 positions, else
-    those after positions 0, step, 2 * step, ... (negative ones as 0)."""
-    step = max(1, p.size >> 14)
-    g = np.diff(p, prepend=-1) - 1 if step == 1 else (p[1::step] - p[:-1:step])[:(p.size - 2) // step + 1] - 1
+    256 runs of 64 consecutive gaps, run b starting at gap 1 + b * stride (negative ones as 0)."""
+    g = np.diff(p, prepend=-1) - 1
+    if p.size >= 1 << 15:
+        stride = (p.size - 1 - 64) // 255
+        g = np.concatenate([g[1 + b * stride:1 + b * stride + 64] for b in range(256)])
     return np.maximum(g, 0)
 
 
