@@ -283,6 +283,21 @@ def test_place_spans_of_int32_positions_match_int64(shapes, shift, seed):
     assert [n for n, *_ in far.place_spans(np.arange(10, dtype=np.int32))] == ["lo"]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_affine_kernel_rows_are_exact_far_out(compiled):
+    """affine_index finds rows by a double-precision multiply set right by one step: exact
+    at row boundaries, for offsets below the start, and past 2**50 (its integer fallback)."""
+    fn = kernels.affine_index if compiled else kernels.affine_index.py_func
+    for cols in (1, 3, 4096, 7168, 12345, (1 << 31) - 1):
+        near = np.array([0, 1, cols - 1, cols, cols + 1, 5 * cols - 1, 5 * cols, -1, -cols, -cols - 1], np.int64)
+        for centre in (0, 1 << 49, (1 << 50) - 7, 1 << 50, 1 << 53):
+            local = np.unique(near + centre - centre % cols) + 11
+            out = np.empty(local.size, np.int64)
+            fn(local, 11, cols, 5, cols + 9, out)
+            want = [5 + (v - 11) // cols * (cols + 9) + (v - 11) % cols for v in local.tolist()]
+            assert out.tolist() == want, (cols, centre)
+
+
 def test_piece_in_place_maps_without_a_copy():
     """A contiguous piece that sits where the local tensor does (a data-parallel shard of a
     tensor placed as is) hands the positions back as they are; one elsewhere shifts them."""
