@@ -251,7 +251,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         numel = _numel(shape)
         if numel is None:
             raise ValueError(f"{where}: shape {shape} has a negative dim or > 2**63 elements")
-        pos = _positions_u64(r.positions, where)
+        pos = _positions_unsigned(r.positions, where)
         gaps = None
         if _PAIR_MIN <= pos.size < numel:
             # Coded as gaps: splitting them checks the order on the way (one pass fewer);
@@ -553,7 +553,9 @@ def choose_op(xor_values: np.ndarray, add_values: np.ndarray, width: int) -> Op:
     return Op.ADD if entropy_bits(ha) < entropy_bits(hx) else Op.XOR
 
 
-def _positions_u64(positions: Any, where: str) -> np.ndarray:
+def _positions_unsigned(positions: Any, where: str) -> np.ndarray:
+    """uint64 positions, or uint32 ones as they are (the producer's in-place pieces give
+    those: a copy to uint64 would cost a pass; the bytes on the wire are the same)."""
     p = np.asarray(positions)
     if p.ndim != 1:
         raise ValueError(f"{where}: positions must be 1-D, got shape {p.shape}")
@@ -561,6 +563,8 @@ def _positions_u64(positions: Any, where: str) -> np.ndarray:
         raise ValueError(f"{where}: positions must be integers, got {p.dtype}")
     if p.size and p.dtype.kind == "i" and int(p.min()) < 0:
         raise ValueError(f"{where}: negative position")
+    if p.dtype == np.uint32:
+        return np.ascontiguousarray(p.astype("<u4", copy=False))
     return np.ascontiguousarray(p, dtype=np.uint64)
 
 

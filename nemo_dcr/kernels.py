@@ -350,7 +350,7 @@ def rice_shift(p, cap):
         k = n
         g = np.empty(k, np.int64)
         for j in range(k):
-            g[j] = max(p[j] - (p[j - 1] if j else -1) - 1, 0)
+            g[j] = max(np.int64(p[j]) - (np.int64(p[j - 1]) if j else -1) - 1, 0)
     else:
         k = _RICE_BLOCKS * _RICE_RUN
         g = np.empty(k, np.int64)
@@ -358,7 +358,7 @@ def rice_shift(p, cap):
         for b in range(_RICE_BLOCKS):
             at = 1 + b * stride
             for j in range(_RICE_RUN):
-                g[b * _RICE_RUN + j] = max(p[at + j] - p[at + j - 1] - 1, 0)
+                g[b * _RICE_RUN + j] = max(np.int64(p[at + j]) - np.int64(p[at + j - 1]) - 1, 0)
     total = 0
     for j in range(k):
         total += g[j]
@@ -434,7 +434,7 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
     m = n - n % 4 if r <= 32 else 0  # (no `if` around the loop: that ran ~12% slower)
     while i < m:
         for u in range(4):
-            v = p[i + u]
+            v = np.int64(p[i + u])  # uint32 positions too: gaps in int64
             g = v - prev - 1
             if g < 0:
                 return 0, 0, 0, i + u + 1
@@ -461,7 +461,7 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
         nb += 1
     acc &= (1 << nbits) - 1
     while i < n:
-        v = p[i]
+        v = np.int64(p[i])
         g = v - prev - 1
         if g < 0:
             return 0, 0, 0, i + 1

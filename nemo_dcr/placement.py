@@ -51,26 +51,34 @@ class Piece:
         """Whether increasing local indices map to strictly increasing canonical ones."""
         return self.rows <= 1 or self.row_stride >= self.cols
 
+    @property
+    def canonical_stop(self) -> int:
+        """One past the largest canonical flat index of the piece."""
+        return self.offset + (self.rows - 1) * self.row_stride + self.cols if self.rows else self.offset
+
     def canonical_index(self, local: np.ndarray, shift: int = 0) -> np.ndarray:
-        """Canonical flat indices of local flat indices `local + shift` inside this piece
-        (int64; `local` may be int32, as the producer's diff gives them).
+        """Canonical flat indices of local flat indices `local + shift` inside this piece:
+        int64, or int32 when `local` is (the producer's diff gives int32 positions) and
+        the piece's canonical indices stay below 2**31 (the narrower arrays cost less to
+        write, concatenate and code).
 
         A piece whose block rows lie end to end in canonical order (one row, or a row
         stride equal to its width) maps by a constant shift; when that shift is 0 (the
-        piece sits where the local tensor does) the result is `local` itself, not a copy
-        (int32 stays int32: those positions are below 2**31): callers do not write to it."""
+        piece sits where the local tensor does) the result is `local` itself, not a copy:
+        callers do not write to it."""
         start = self.local_start - shift
+        out_dtype = np.int32 if local.dtype == np.int32 and self.canonical_stop <= _INT32.max else np.int64
         if local.dtype in (np.int64, np.int32) and (self.rows <= 1 or self.row_stride == self.cols):
             d = self.offset - start
-            return local if d == 0 else np.add(local, d, dtype=np.int64)
+            return local if d == 0 and local.dtype == out_dtype else np.add(local, d, dtype=out_dtype)
         if _kernels.HAVE_NUMBA and local.dtype in (np.int64, np.int32) and local.ndim == 1:
-            out = np.empty(local.size, np.int64)  # one compiled pass, one division per block row
+            out = np.empty(local.size, out_dtype)  # one compiled pass
             _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,
                                   self.row_stride, out)
             return out
         rel = local.astype(np.int64) - start
         r, c = np.divmod(rel, self.cols)
-        return self.offset + r * self.row_stride + c
+        return (self.offset + r * self.row_stride + c).astype(out_dtype, copy=False)
 
     def canonical_runs(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Contiguous canonical runs (starts, lengths) covered by local range [lo, hi).
@@ -128,8 +136,7 @@ class AffineMap:
         source indices: (canonical name, canonical positions, lo, hi, monotone) per
         touched piece, where local[lo:hi] are the positions it places and `monotone`
         says the canonical positions are strictly increasing (Piece.monotone). `local`
-        may be int64 or int32; the canonical positions are int64 but where a piece hands
-        `local[lo:hi]` itself back (Piece.canonical_index)."""
+        may be int64 or int32 (see Piece.canonical_index for the canonical positions')."""
         out = []
         if local.size == 0:
             return out

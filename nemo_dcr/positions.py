@@ -36,6 +36,7 @@ from . import kernels as _k
 MAX_NUMEL = 1 << 63
 
 _U64 = np.uint64
+_U32 = np.uint32
 _MAX_VARINT_BYTES = 10  # ceil(64 / 7)
 
 
@@ -170,14 +171,20 @@ def decode_runs(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
     return np.arange(count, dtype=_U64) + shift
 
 
+def _signed_view(positions: np.ndarray) -> np.ndarray:
+    """uint64 positions as int64 (>= 2**63 turns negative: the kernels reject it); uint32
+    ones as they are (the kernels compute their gaps in int64)."""
+    return positions if positions.dtype == _U32 else positions.view(np.int64)
+
+
 def check_positions(positions: np.ndarray, numel: int) -> str | None:
     """Why `positions` is not a valid sorted, unique, in-range index array (None if ok)."""
     if positions.ndim != 1:
         return f"positions must be 1-D, got shape {positions.shape}"
     if positions.size == 0:
         return None
-    if (_k.HAVE_NUMBA and positions.dtype == _U64 and positions.flags.c_contiguous
-            and _k.strictly_increasing_below(positions.view(np.int64), numel - 1) == 0):
+    if (_k.HAVE_NUMBA and positions.dtype in (_U64, _U32) and positions.flags.c_contiguous
+            and _k.strictly_increasing_below(_signed_view(positions), numel - 1) == 0):
         return None  # one compiled pass; on a failure the numpy checks below name it
     if np.any(positions[1:] <= positions[:-1]):
         return "positions not strictly increasing"
@@ -466,11 +473,11 @@ class GapsParts:
 
 def gaps_parts(positions: np.ndarray) -> GapsParts | None:
     """Rice shift, quotient symbols and their counts, packed low bits and escaped
-    quotients of sorted uint64 positions (count >= 1): `encode_gaps_rans` without the
-    rANS stream. None when the positions are not strictly increasing (or one is >= 2**63):
-    the split checks that as it goes, so a caller need not check the order first (the
-    upper bound, the last position, is the caller's)."""
-    p = np.ascontiguousarray(positions).view(np.int64)  # positions < 2**63, else negative here
+    quotients of sorted uint64 (or uint32) positions (count >= 1): `encode_gaps_rans`
+    without the rANS stream. None when the positions are not strictly increasing (or one
+    is >= 2**63): the split checks that as it goes, so a caller need not check the order
+    first (the upper bound, the last position, is the caller's)."""
+    p = _signed_view(np.ascontiguousarray(positions))
     n = p.size
     r = _k.rice_shift(p, _SYMBOL_CAP_POSITIONS - 1)  # on a sample; one compiled pass or two
     esc = _SYMBOL_CAP_POSITIONS - 1

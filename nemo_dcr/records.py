@@ -21,7 +21,7 @@ class Op(str, Enum):
 class Record:
     """Changes to one canonical tensor.
 
-    positions: sorted, strictly increasing flat indices (uint64) into `shape`.
+    positions: sorted, strictly increasing flat indices (uint64; codec.encode also takes uint32) into `shape`.
     values: unsigned bit values (width = dtype itemsize), one per position.
     """
 

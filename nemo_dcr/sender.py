@@ -108,7 +108,10 @@ class _Batch:
         arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
         cat = arena.concatenate
         for (name, op), parts in self.parts.items():
-            pos = cat([p for p, _, _, _ in parts], np.uint64)  # 32-bit parts widen on the way
+            # uint32 when every part is (in-place pieces: codec.encode takes them as they
+            # are); else uint64, 32-bit parts widening on the way
+            pos = cat([p for p, _, _, _ in parts],
+                      np.uint32 if all(p.dtype == np.uint32 for p, _, _, _ in parts) else np.uint64)
             if op == AUTO:
                 op = _choose_op_sampled([v for _, v, _, _ in parts])
                 val = cat([v[0] if op is Op.XOR else v[1] for _, v, _, _ in parts])
@@ -120,7 +123,6 @@ class _Batch:
                 pos, val = pos[order], val[order]
                 new = None if new is None else new[order]
             dtype, shape = specs[name]
-            pos = pos.astype(np.uint64, copy=False)
             records.append(Record(name, dtype, tuple(shape), op, pos, val))
             if new is not None:
                 t = time.perf_counter()
@@ -199,8 +201,9 @@ def _increasing(parts: list, pos: np.ndarray) -> bool:
     """Whether the concatenated positions `pos` of `parts` are strictly increasing."""
     if all(p[3] for p in parts):  # each part is: check where they meet
         return all(int(a[0][-1]) < int(b[0][0]) for a, b in zip(parts, parts[1:]))
-    if kernels.HAVE_NUMBA and pos.dtype.kind in "iu" and pos.itemsize == 8 and pos.flags.c_contiguous:
-        return kernels.strictly_increasing_below(pos.view(np.int64), (1 << 63) - 1) == 0
+    if kernels.HAVE_NUMBA and pos.dtype in (np.uint64, np.int64, np.uint32) and pos.flags.c_contiguous:
+        return kernels.strictly_increasing_below(pos if pos.dtype == np.uint32 else pos.view(np.int64),
+                                                 (1 << 63) - 1) == 0
     return bool(np.all(pos[1:] > pos[:-1]))
 
 
@@ -533,7 +536,7 @@ def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
     returned as a slice; the offset is folded into the pieces, not added to a copy."""
     spans = amap.place_spans(positions, offset)
     if len({name for name, *_ in spans}) == len(spans):
-        # int32 positions stay 32-bit (as uint32) until the payload's concatenation widens them
+        # int32 positions stay 32-bit (as uint32): see _Batch.records
         return [(name, cpos.view(_UNSIGNED[cpos.dtype]) if cpos.dtype in _UNSIGNED else cpos.astype(np.uint64),
                  slice(lo, hi), increasing) for name, cpos, lo, hi, increasing in spans]
     placed = [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in spans]

@@ -224,6 +224,10 @@ def test_roundtrip_property(p, signed):
     key = KEY if signed else None
     data = encode(p, key=key)
     assert data == encode(p, key=key)  # deterministic: retries resend identical bytes
+    if all(r.positions.size == 0 or int(r.positions[-1]) < 1 << 32 for r in p.records):
+        narrow = Payload(p.header, [Record(r.name, r.dtype, r.shape, r.op, r.positions.astype(np.uint32), r.values)
+                                    for r in p.records])
+        assert encode(narrow, key=key) == data  # uint32 positions (the producer's in place): the same bytes
     assert peek_header(data) == p.header
     out = decode(data, key=key)
     assert_same(p, out)
@@ -661,6 +665,23 @@ def test_encode_rejects_invalid_large_records(edit, msg):
     edit(pos)
     with pytest.raises(ValueError, match=msg):
         encode(payload(_big(pos)))
+
+
+@pytest.mark.parametrize("size", [100, 5000])  # checked before the split, and by it
+@pytest.mark.parametrize("edit, msg", [
+    (lambda p: p.__setitem__(70, p[69]), "strictly increasing"),
+    (lambda p: p.__setitem__(0, np.uint32((1 << 32) - 1)), "strictly increasing"),  # not negative as int32
+    (lambda p: p.__setitem__(-1, np.uint32(1 << 20)), ">= numel"),
+])
+def test_encode_rejects_invalid_uint32_positions(size, edit, msg):
+    def record(p):
+        return Record("w", "BF16", (1 << 20,), Op.XOR, p, np.ones(p.size, "<u2"))
+
+    pos = np.arange(0, 3 * size, 3, dtype=np.uint32)
+    assert encode(payload(record(pos))) == encode(payload(record(pos.astype(np.uint64))))
+    edit(pos)
+    with pytest.raises(ValueError, match=msg):
+        encode(payload(record(pos)))
 
 
 def test_encode_rejects_bad_header_and_overlap():

@@ -254,8 +254,11 @@ def test_affine_kernel_matches_divmod(rows, cols, extra_stride, start, offset, s
     np.testing.assert_array_equal(p.canonical_index(local - shift, shift), want)
     local32 = (local - shift).astype(np.int32)  # the producer's diff gives int32 positions
     narrow = p.canonical_index(local32, shift)
-    assert narrow.dtype == np.int64 or narrow is local32  # int32 only when handed back as is
+    assert narrow.dtype == (np.int32 if p.canonical_stop < 2**31 else np.int64)
     np.testing.assert_array_equal(narrow, want)
+    far = Piece("c", start, rows, cols, offset + 2**31, cols + extra_stride)  # indices past int32: int64
+    assert far.canonical_index(local32, shift).dtype == np.int64
+    np.testing.assert_array_equal(far.canonical_index(local32, shift), want + 2**31)
 
 
 @settings(max_examples=60, deadline=None)
@@ -277,7 +280,7 @@ def test_place_spans_of_int32_positions_match_int64(shapes, shift, seed):
     wide, narrow = amap.place_spans(local, shift), amap.place_spans(local32, shift)
     assert [(n, lo, hi, m) for n, _, lo, hi, m in narrow] == [(n, lo, hi, m) for n, _, lo, hi, m in wide]
     for (_, a, lo, hi, _), (_, b, *_) in zip(narrow, wide):
-        assert a.dtype == np.int64 or (a.base is local32 and a.size == hi - lo)  # int32: a view, in place
+        assert a.dtype == np.int32 and b.dtype == np.int64  # canonical indices below 2**31
         np.testing.assert_array_equal(a, b)
     far = AffineMap("w", (1 << 33) + 10, (Piece("lo", 0, 1, 10, 0, 10), Piece("hi", 1 << 33, 1, 10, 0, 10)))
     assert [n for n, *_ in far.place_spans(np.arange(10, dtype=np.int32))] == ["lo"]
@@ -303,6 +306,8 @@ def test_piece_in_place_maps_without_a_copy():
     tensor placed as is) hands the positions back as they are; one elsewhere shifts them."""
     local = np.array([3, 4, 9, 30], np.int64)
     assert Piece("c", 0, 4, 8, 0, 8).canonical_index(local) is local
+    local32 = local.astype(np.int32)
+    assert Piece("c", 0, 4, 8, 0, 8).canonical_index(local32) is local32
     assert Piece("c", 2, 1, 40, 7, 40).canonical_index(local - 5, 5) is not local
     np.testing.assert_array_equal(Piece("c", 2, 1, 40, 7, 40).canonical_index(local - 5, 5), local + 5)
     np.testing.assert_array_equal(Piece("c", 0, 4, 8, 0, 9).canonical_index(local), [3, 4, 10, 33])
