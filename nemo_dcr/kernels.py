@@ -260,7 +260,7 @@ def affine_index(local, local_start, cols, offset, row_stride, out):
 
 @_jit
 def strictly_increasing_below(p, max_pos):
-    """0 if int64 positions p are >= 0, strictly increasing and <= max_pos; else 1 + index
+    """0 if int64 (or uint32) positions p are >= 0, strictly increasing and <= max_pos; else 1 + index
     of the first offender (with -1 meaning p[-1] > max_pos)."""
     n = p.size
     if n == 0:
@@ -404,7 +404,7 @@ def _gap_symbol(g, r, esc, excess, ne):
 
 @_jit
 def gaps_split(p, r, esc, sym, counts, low, excess):
-    """Gaps of sorted int64 positions, split by the Rice shift r.
+    """Gaps of sorted int64 (or uint32) positions, split by the Rice shift r.
 
     sym[i] = min(g_i >> r, esc), counts[s] += 1, the r low bits of every gap packed MSB
     first into `low` (zero-padded to a byte), excess[k] = (g >> r) - esc for the k-th
