@@ -169,7 +169,7 @@ class _Arena:
     def concatenate(self, arrays: list[np.ndarray], dtype=None) -> np.ndarray:
         """np.concatenate(arrays) into the arena, as `dtype` (default: the arrays'); one
         array already of that dtype is itself, not copied."""
-        dtype = np.dtype(dtype or arrays[0].dtype)
+        dtype = np.dtype(arrays[0].dtype if dtype is None else dtype)
         if len(arrays) == 1 and arrays[0].dtype == dtype:
             return arrays[0]
         n = sum(a.size for a in arrays)
