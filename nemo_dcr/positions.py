@@ -362,7 +362,7 @@ def _rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
 
 def _rans_stream(freq: np.ndarray, words: np.ndarray) -> bytes:
     head = leb128_encode(np.concatenate(([freq.size], freq, [words.size])).astype(_U64)).tobytes()
-    return head + words.tobytes()
+    return b"".join((head, words))  # the words' buffer as it is: one copy, not two
 
 
 class RansStream:
@@ -465,7 +465,7 @@ class GapsParts:
 
     def join(self, rans: bytes) -> bytes:
         """The raw section, given encode_rans(self.sym, self.counts)."""
-        out = [leb128_encode(np.array([self.shift], _U64)).tobytes(), rans, self.low.tobytes()]
+        out = [leb128_encode(np.array([self.shift], _U64)).tobytes(), rans, self.low]
         if self.excess.size:
             out.append(leb128_encode(self.excess.astype(_U64)).tobytes())
         return b"".join(out)
