@@ -25,6 +25,7 @@ from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
 from nemo_dcr.metrics import page_faults
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
+from nemo_dcr.positions import MAX_NUMEL, check_positions
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 from nemo_dcr.verify import region_digest
@@ -201,10 +202,7 @@ def _increasing(parts: list, pos: np.ndarray) -> bool:
     """Whether the concatenated positions `pos` of `parts` are strictly increasing."""
     if all(p[3] for p in parts):  # each part is: check where they meet
         return all(int(a[0][-1]) < int(b[0][0]) for a, b in zip(parts, parts[1:]))
-    if kernels.HAVE_NUMBA and pos.dtype in (np.uint64, np.int64, np.uint32) and pos.flags.c_contiguous:
-        return kernels.strictly_increasing_below(pos if pos.dtype == np.uint32 else pos.view(np.int64),
-                                                 (1 << 63) - 1) == 0
-    return bool(np.all(pos[1:] > pos[:-1]))
+    return check_positions(pos, MAX_NUMEL) is None  # one compiled pass for uint32 / uint64 positions
 
 
 class Producer:
@@ -526,7 +524,7 @@ def _placed(amap: AffineMap, local: np.ndarray):
     return [(name, cpos, src) for name, (cpos, src) in merge_placed(placed).items()]
 
 
-_UNSIGNED = {np.dtype(np.int64): np.uint64, np.dtype(np.int32): np.uint32}
+_UNSIGNED = {np.dtype(np.int64): np.uint64, np.dtype(np.int32): np.uint32}  # canonical_index gives these two
 
 
 def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
@@ -537,8 +535,8 @@ def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
     spans = amap.place_spans(positions, offset)
     if len({name for name, *_ in spans}) == len(spans):
         # int32 positions stay 32-bit (as uint32): see _Batch.records
-        return [(name, cpos.view(_UNSIGNED[cpos.dtype]) if cpos.dtype in _UNSIGNED else cpos.astype(np.uint64),
-                 slice(lo, hi), increasing) for name, cpos, lo, hi, increasing in spans]
+        return [(name, cpos.view(_UNSIGNED[cpos.dtype]), slice(lo, hi), increasing)
+                for name, cpos, lo, hi, increasing in spans]
     placed = [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in spans]
     return [(name, cpos, src, True) for name, (cpos, src) in merge_placed(placed).items()]
 

@@ -61,3 +61,18 @@ def test_arena_growth_keeps_what_it_handed_out():
     narrow = np.arange(3, dtype=np.uint32)
     wide = arena.concatenate([narrow], np.uint64)  # ... unless it must widen
     assert wide.dtype == np.uint64 and np.shares_memory(wide, arena.buf) and list(wide) == [0, 1, 2]
+
+
+def test_parts_not_known_increasing_are_checked_and_sorted():
+    """Parts placed through pieces that are not monotone: the record is checked for order
+    and sorted (with its values) only when it needs to be, for uint32 and uint64 positions."""
+    for dtype in (np.uint32, np.uint64):
+        builder = _PayloadBuilder()
+        builder.add("a", Op.XOR, np.array([5, 9], dtype), np.array([1, 2], np.uint16))
+        builder.add("a", Op.XOR, np.array([2, 7], dtype), np.array([3, 4], np.uint16))
+        builder.add("b", Op.XOR, np.array([1, 4], dtype), np.array([5, 6], np.uint16))
+        builder.add("b", Op.XOR, np.array([6, 8], dtype), np.array([7, 8], np.uint16))
+        a, b = builder.take(SPECS | {"b": ("BF16", (1000,))})
+        assert a.positions.tolist() == [2, 5, 7, 9] and a.values.tolist() == [3, 1, 4, 2]
+        assert b.positions.tolist() == [1, 4, 6, 8] and b.values.tolist() == [5, 6, 7, 8]
+        assert a.positions.dtype == b.positions.dtype == dtype
