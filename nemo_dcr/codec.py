@@ -404,40 +404,31 @@ def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompres
 
 def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values ascending, their counts) of unsigned values of `width` bytes."""
-    if width <= 2 and vals.size:
+    if width <= 2 and 0 < vals.size <= 1 << 32:
         v = np.ascontiguousarray(vals).view(f"<u{width}")
-        nbins = 1 << (8 * width)
-        if v.size < max(4096, 8 * nbins):
-            # Small against the table (a record's values, a sample for the op choice): count
-            # into a table kept zeroed between calls, listing values as they first occur,
-            # so the cost is the values' and not the 2**16 bins' (zeroing them, finding the
-            # non-zero ones: ~60 us a call, three calls per record).
-            distinct = np.empty(min(v.size, nbins), v.dtype)
-            found = np.empty(distinct.size, np.int64)
-            table = _zeroed_table(nbins)
-            try:
-                k = kernels.histogram_distinct(v, table, distinct, found)
-            except BaseException:  # interrupted (as Python, without numba): a dirty table would miscount later
-                table[:] = 0
-                raise
-            order = np.argsort(distinct[:k])
-            return distinct[order], found[order]
-        counts = np.zeros(nbins, np.int64)
-        kernels.histogram(v, nbins, counts)
-        distinct = np.empty(nbins, np.int64)
-        distinct = distinct[:kernels.nonzero_bins(counts, distinct)]  # (np.flatnonzero is slow on int64)
-        return distinct.astype(v.dtype), counts[distinct]
+        distinct = np.empty(min(v.size, 1 << (8 * width)), v.dtype)
+        found = np.empty(distinct.size, np.int64)
+        table, lines = _zeroed_tables(width)
+        try:
+            k = kernels.histogram_lines(v, table, lines, lines.view(np.uint64), distinct, found)
+        except BaseException:  # interrupted (as Python, without numba): dirty tables would miscount later
+            table[:] = 0
+            lines[:] = 0
+            raise
+        return distinct[:k], found[:k]
     return np.unique(vals, return_counts=True)
 
 
-_TABLES = threading.local()  # per thread: nbins -> an all-zero int64 table (histogram_distinct)
+_TABLES = threading.local()  # per thread: width -> the all-zero tables of kernels.histogram_lines
 
 
-def _zeroed_table(nbins: int) -> np.ndarray:
-    tables = _TABLES.__dict__.setdefault("by_size", {})
-    if nbins not in tables:
-        tables[nbins] = np.zeros(nbins, np.int64)
-    return tables[nbins]
+def _zeroed_tables(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(four uint32 counters per value, a flag per four values) for `width`-byte values."""
+    tables = _TABLES.__dict__.setdefault("by_width", {})
+    if width not in tables:
+        nbins = 1 << (8 * width)
+        tables[width] = (np.zeros(4 * nbins, np.uint32), np.zeros(nbins // 4, np.uint8))
+    return tables[width]
 
 
 def values_entropy_bits(vals: np.ndarray, width: int) -> float:

@@ -805,60 +805,50 @@ def rans_decode2(words1, freq1, cum1, slot2sym1, out1, words2, freq2, cum2, slot
 
 
 @_jit
-def histogram(vals, nbins, counts):
-    """counts[v] += 1 for each unsigned value (width <= 2: vals < nbins), for inputs large
-    against the table (codec.value_histogram takes `histogram_distinct` for the others).
+def histogram_lines(vals, table, lines, words, distinct, found):
+    """Distinct unsigned values, ascending, into `distinct` and their counts into `found`;
+    returns how many. For at most 2**32 values (a counter must not wrap).
 
-    Counts go to four interleaved uint32 tables, summed at the end: a run of equal values
-    (the common case: few distinct deltas) would otherwise chain every increment on the
-    previous one."""
+    table: four uint32 counters per possible value (value v's at 4v..4v+3), so that one
+    64-byte line of it holds four values'; lines: a uint8 flag per such line, set when a
+    value in it is counted; words: the same flags viewed as uint64. All three must be all
+    zero, and are again on return: a call costs its values and the lines they touch,
+    never a pass over all the bins (~60 us for 2**16 of them).
+
+    Value i counts into counter i % 4 of its value: runs of equal values (a few distinct
+    deltas are the common case) would otherwise chain every increment on the one before
+    (1.0-1.8 ns a value on skewed and on real AdamW deltas, against 0.56-0.64). The flag is
+    a plain store, not a read-modify-write, so it adds no such chain."""
     n = vals.size
-    if n >= (1 << 32):  # the uint32 tables could overflow
-        for i in range(n):
-            counts[vals[i]] += 1
-        return nbins
-    c4 = np.zeros(4 * nbins, np.uint32)
     m = n - n % 4
     for i in range(0, m, 4):
-        c4[vals[i]] += 1
-        c4[nbins + np.int64(vals[i + 1])] += 1
-        c4[2 * nbins + np.int64(vals[i + 2])] += 1
-        c4[3 * nbins + np.int64(vals[i + 3])] += 1
+        for u in range(4):
+            v = np.int64(vals[i + u])
+            table[4 * v + u] += 1
+            lines[v >> 2] = 1
     for i in range(m, n):
-        c4[vals[i]] += 1
-    for k in range(nbins):
-        counts[k] += (np.int64(c4[k]) + np.int64(c4[nbins + k]) + np.int64(c4[2 * nbins + k])
-                      + np.int64(c4[3 * nbins + k]))
-    return nbins
-
-
-@_jit
-def histogram_distinct(vals, table, distinct, found):
-    """Distinct unsigned values in order of first appearance into `distinct`, their counts
-    into `found`; returns how many. `table` (one int64 bin per possible value) must be all
-    zero, and is again on return: for inputs small against the table there is then no
-    pass over all its bins (see codec.value_histogram). (Four interleaved tables, as in
-    `histogram`, measured no faster here.)"""
+        v = np.int64(vals[i])
+        table[4 * v] += 1
+        lines[v >> 2] = 1
     k = 0
-    for i in range(vals.size):
-        v = vals[i]
-        if table[v] == 0:
-            distinct[k] = v
-            k += 1
-        table[v] += 1
-    for j in range(k):
-        found[j] = table[distinct[j]]
-        table[distinct[j]] = 0
-    return k
-
-
-@_jit
-def nonzero_bins(counts, out):
-    """Indices of the non-zero counts, ascending, into out; returns how many."""
-    k = 0
-    for i in range(counts.size):
-        out[k] = i
-        k += counts[i] != 0
+    for w in range(words.size):
+        if words[w] == 0:
+            continue
+        for line in range(8 * w, 8 * w + 8):
+            if lines[line] == 0:
+                continue
+            for v in range(4 * line, 4 * line + 4):
+                j = 4 * v
+                c = np.int64(table[j]) + np.int64(table[j + 1]) + np.int64(table[j + 2]) + np.int64(table[j + 3])
+                if c:
+                    distinct[k] = v
+                    found[k] = c
+                    k += 1
+                    table[j] = 0
+                    table[j + 1] = 0
+                    table[j + 2] = 0
+                    table[j + 3] = 0
+        words[w] = 0
     return k
 
 

@@ -393,41 +393,57 @@ def test_rice_shift_picks_the_smallest_estimate_of_three(compiled):
 
 @pytest.mark.parametrize("n", [1, 3, 1000, 100_000, 600_000])
 @pytest.mark.parametrize("width", [1, 2])
-def test_value_histogram_small_and_large_inputs(n, width):
-    """Both paths (a kept zeroed table for inputs small against the 2**(8 * width) bins, a
-    pass over all bins for large ones) give np.unique's answer, and the kept table is
-    zeroed again, so the next call counts from scratch."""
+def test_value_histogram_matches_unique_and_leaves_its_tables_zeroed(n, width):
+    """value_histogram (kernels.histogram_lines on per-thread tables) gives np.unique's
+    answer on skewed, spread and constant values, and leaves its tables all zero, so the
+    next call counts from scratch."""
     rng = np.random.default_rng(n + width)
     dt = np.dtype(f"<u{width}")
-    for vals in (rng.geometric(0.3, n).astype(dt), rng.integers(0, 1 << (8 * width), n).astype(dt),
-                 np.full(n, 7, dt)):
+    top = (1 << (8 * width)) - 1
+    for vals in (rng.geometric(0.3, n).astype(dt), rng.integers(0, top + 1, n).astype(dt),
+                 np.full(n, 7, dt), np.full(n, top, dt)):
         for _ in range(2):
             distinct, counts = codec.value_histogram(vals, width)
             expect, expect_counts = np.unique(vals, return_counts=True)
             assert distinct.dtype == dt
             np.testing.assert_array_equal(distinct, expect)
             np.testing.assert_array_equal(counts, expect_counts)
-    table = np.zeros(1 << (8 * width), np.int64)
-    vals = rng.integers(0, 50, 999).astype(dt)
-    distinct, found = np.empty(999, dt), np.empty(999, np.int64)
-    k = kernels.histogram_distinct(vals, table, distinct, found)
-    assert not table.any()
-    np.testing.assert_array_equal(distinct[:k], vals[np.sort(np.unique(vals, return_index=True)[1])])
+            table, lines = codec._zeroed_tables(width)
+            assert not table.any() and not lines.any()
 
 
-def test_value_histogram_table_stays_clean_when_interrupted(monkeypatch):
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 5, 7, 33, 4099])
+def test_histogram_lines_counts_every_value_once(n):
+    """Every value, whatever its place modulo the four counters (and the n % 4 tail), is
+    counted once; distinct values come out ascending, the tables zeroed again."""
+    rng = np.random.default_rng(n)
+    vals = np.concatenate([rng.choice(np.array([0, 1, 2, 3, 4, 255, 65535], np.uint16), n // 2),
+                           rng.integers(0, 1 << 16, n - n // 2).astype(np.uint16)])
+    table, lines = np.zeros(4 << 16, np.uint32), np.zeros(1 << 14, np.uint8)
+    distinct, found = np.empty(max(n, 1), np.uint16), np.empty(max(n, 1), np.int64)
+    k = kernels.histogram_lines(vals, table, lines, lines.view(np.uint64), distinct, found)
+    expect, expect_counts = np.unique(vals, return_counts=True)
+    np.testing.assert_array_equal(distinct[:k], expect)
+    np.testing.assert_array_equal(found[:k], expect_counts)
+    assert not table.any() and not lines.any()
+
+
+def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
     """Without numba the counting loop is Python and can be interrupted half-way: the kept
-    table is zeroed again, so the next histogram (and the records coded from it) is right."""
-    def interrupted(vals, table, distinct, found):
-        table[vals[0]] += 5
+    tables are zeroed again, so the next histogram (and the records coded from it) is right."""
+    def interrupted(vals, table, lines, words, distinct, found):
+        table[4 * int(vals[0])] += 5
+        lines[int(vals[0]) >> 2] = 1
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kernels, "histogram_distinct", interrupted)
+    monkeypatch.setattr(kernels, "histogram_lines", interrupted)
     with pytest.raises(KeyboardInterrupt):
         codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
     monkeypatch.undo()
     distinct, counts = codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
     assert distinct.tolist() == [3, 4] and counts.tolist() == [2, 1]
+    table, lines = codec._zeroed_tables(2)
+    assert not table.any() and not lines.any()
     assert kernels.rice_shift(np.empty(0, np.int64), 255) == 0
 
 
@@ -513,7 +529,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     placed_compiled = piece.canonical_index(local)
     for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
                  "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
-                 "histogram", "histogram_distinct", "nonzero_bins", "rice_shift", "map_symbols", "lookup"):
+                 "histogram_lines", "rice_shift", "map_symbols", "lookup"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
