@@ -352,6 +352,34 @@ def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
         assert run(p) == (0, 0, 0, i + 1)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("r", [0, 1, 3, 8, 33, 40])
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_gaps_split_matches_a_numpy_reference(compiled, r, dtype):
+    """Symbols, their counts, the packed low bits, escaped excesses and zero gaps, against
+    numpy: escapes (r = 0 with gaps past the cap), every n % 4 tail, shifts past 32."""
+    split = kernels.gaps_split if compiled else kernels.gaps_split.py_func
+    rng = np.random.default_rng(r)
+    top = 2**31 if dtype == np.uint32 else 2**50
+    for n in (1, 2, 5, 6, 7, 300 if not compiled else 4099):
+        p = np.unique(np.concatenate([rng.integers(0, 600, n), rng.integers(0, top, n // 3 + 1)]))[:n]
+        p = p.astype(dtype)
+        g = np.diff(p.astype(np.int64), prepend=-1) - 1
+        q = g >> r
+        sym, counts = np.empty(p.size, np.uint8), np.zeros(256, np.int64)
+        low, excess = np.empty((p.size * r + 7) // 8, np.uint8), np.empty(p.size, np.int64)
+        nb, ne, zeros, bad = split(p, r, 255, sym, counts, low, excess)
+        assert bad == 0
+        np.testing.assert_array_equal(sym, np.minimum(q, 255))
+        np.testing.assert_array_equal(counts, np.bincount(np.minimum(q, 255), minlength=256))
+        np.testing.assert_array_equal(excess[:ne], q[q >= 255] - 255)
+        assert zeros == int(np.count_nonzero(g[1:] == 0))
+        bits = "".join(format(int(x) & ((1 << r) - 1), f"0{r}b") for x in g) if r else ""
+        bits += "0" * (-len(bits) % 8)
+        assert nb == len(bits) // 8
+        assert low[:nb].tolist() == [int(bits[k:k + 8], 2) for k in range(0, len(bits), 8)]
+
+
 def _rice_sample(p: np.ndarray) -> np.ndarray:
     """The gaps `kernels.rice_shift` estimates on: all of them below 2**15 positions, else
     256 runs of 64 consecutive gaps, run b starting at gap 1 + b * stride (negative ones as 0)."""
