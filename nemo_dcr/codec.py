@@ -410,7 +410,7 @@ def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarra
         found = np.empty(distinct.size, np.int64)
         table, lines = _zeroed_tables(width)
         try:
-            k = kernels.histogram_lines(v, table, lines, lines.view(np.uint64), distinct, found)
+            k = kernels.histogram_lines(v, table, lines, distinct, found)
         except BaseException:  # interrupted (as Python, without numba): dirty tables would miscount later
             table[:] = 0
             lines[:] = 0

@@ -330,6 +330,7 @@ def leb128_parse(buf, start, n, out):
 
 
 _RICE_BLOCKS, _RICE_RUN = 256, 64  # rice_shift's sample of a long record: 2**14 gaps
+_INT64_MAX = (1 << 63) - 1
 
 
 @_jit
@@ -407,7 +408,7 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
     gap: the loop vectorises); the symbols' counts, into four interleaved counters per
     symbol (a run of equal symbols would otherwise chain every increment on the one
     before); the low bits. The escapes' excesses (`_excesses`) and the first bad position
-    (an error) take a pass of their own when there are any."""
+    (an error: `strictly_increasing_below`) take a pass of their own when there are any."""
     n = p.size
     if n == 0:
         return 0, 0, 0, 0
@@ -423,12 +424,8 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
         zeros += g == 0
         escapes += q >= esc
         sym[i] = min(q, esc)
-    if neg:
-        prev = -1
-        for i in range(n):
-            if np.int64(p[i]) - prev - 1 < 0:
-                return 0, 0, 0, i + 1
-            prev = np.int64(p[i])
+    if neg:  # name the first offender
+        return 0, 0, 0, strictly_increasing_below(p, _INT64_MAX)
     if escapes:
         _excesses(p, r, esc, sym, excess)
     nc = counts.size
@@ -845,14 +842,14 @@ def rans_decode2(words1, freq1, cum1, slot2sym1, out1, words2, freq2, cum2, slot
 
 
 @_jit
-def histogram_lines(vals, table, lines, words, distinct, found):
+def histogram_lines(vals, table, lines, distinct, found):
     """Distinct unsigned values, ascending, into `distinct` and their counts into `found`;
     returns how many. For at most 2**32 values (a counter must not wrap).
 
     table: four uint32 counters per possible value (value v's at 4v..4v+3), so that one
-    64-byte line of it holds four values'; lines: a uint8 flag per such line, set when a
-    value in it is counted; words: the same flags viewed as uint64. All three must be all
-    zero, and are again on return: a call costs its values and the lines they touch,
+    64-byte line of it holds four values'; lines: a uint8 flag per such line (a multiple of
+    8 of them), set when a value in it is counted, and scanned 8 at a time. Both must be
+    all zero, and are again on return: a call costs its values and the lines they touch,
     never a pass over all the bins (~60 us for 2**16 of them).
 
     Value i counts into counter i % 4 of its value: runs of equal values (a few distinct
@@ -870,6 +867,7 @@ def histogram_lines(vals, table, lines, words, distinct, found):
         v = np.int64(vals[i])
         table[4 * v] += 1
         lines[v >> 2] = 1
+    words = lines.view(np.uint64)
     k = 0
     for w in range(words.size):
         if words[w] == 0:

@@ -449,7 +449,7 @@ def test_histogram_lines_counts_every_value_once(n):
                            rng.integers(0, 1 << 16, n - n // 2).astype(np.uint16)])
     table, lines = np.zeros(4 << 16, np.uint32), np.zeros(1 << 14, np.uint8)
     distinct, found = np.empty(max(n, 1), np.uint16), np.empty(max(n, 1), np.int64)
-    k = kernels.histogram_lines(vals, table, lines, lines.view(np.uint64), distinct, found)
+    k = kernels.histogram_lines(vals, table, lines, distinct, found)
     expect, expect_counts = np.unique(vals, return_counts=True)
     np.testing.assert_array_equal(distinct[:k], expect)
     np.testing.assert_array_equal(found[:k], expect_counts)
@@ -459,7 +459,7 @@ def test_histogram_lines_counts_every_value_once(n):
 def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
     """Without numba the counting loop is Python and can be interrupted half-way: the kept
     tables are zeroed again, so the next histogram (and the records coded from it) is right."""
-    def interrupted(vals, table, lines, words, distinct, found):
+    def interrupted(vals, table, lines, distinct, found):
         table[4 * int(vals[0])] += 5
         lines[int(vals[0]) >> 2] = 1
         raise KeyboardInterrupt
