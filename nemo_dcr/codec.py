@@ -60,10 +60,11 @@ from .positions import (
     RansStream,
     Reader,
     check_positions,
+    chunks_size,
     decode_rans_pair,
     decode_runs,
     encode_gaps_rans,
-    encode_rans,
+    encode_rans_chunks,
     encode_rans_pair,
     encode_runs,
     entropy_bits,
@@ -241,7 +242,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         sec: dict[str, Any] = {"offset": cursor, "length": choice.size, "raw_length": choice.raw_length}
         if choice.stored:
             sec[_STORED] = True
-        sections.append(choice.frame)
+        sections.extend(choice.frame)
         cursor += choice.size
         raw_total += choice.raw_length
         return sec
@@ -308,21 +309,21 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
 @dataclass(frozen=True)
 class _Choice:
     encoding: str
-    frame: bytes | None  # the section's bytes on the wire; None: no section (positions "all" / "dense")
+    frame: list | None  # the section's bytes on the wire, as chunks; None: no section ("all" / "dense")
     raw_length: int = 0
     stored: bool = False  # frame is the raw section itself, not a zstd frame
-
-    @property
-    def size(self) -> int:
-        return len(self.frame) if self.frame else 0
+    size: int = 0  # bytes on the wire
 
 
-def _frame(encoding: str, raw: bytes, cctx: zstandard.ZstdCompressor) -> _Choice:
-    if not raw:
-        return _Choice(encoding, b"", 0)
-    if encoding in _STORED_ENCODINGS:
-        return _Choice(encoding, raw, len(raw), stored=True)
-    return _Choice(encoding, cctx.compress(raw), len(raw))
+def _frame(encoding: str, raw: bytes | list, cctx: zstandard.ZstdCompressor) -> _Choice:
+    """The section of a raw one (bytes, or chunks as the rANS encoders give them)."""
+    length = chunks_size(raw) if isinstance(raw, list) else len(raw)
+    if not length:
+        return _Choice(encoding, [], 0)
+    if encoding in _STORED_ENCODINGS:  # stored as it is: its chunks join the payload once
+        return _Choice(encoding, raw if isinstance(raw, list) else [raw], length, stored=True, size=length)
+    frame = cctx.compress(b"".join(raw) if isinstance(raw, list) else raw)
+    return _Choice(encoding, [frame], length, size=len(frame))
 
 
 # Records of at least this many changes code their positions' and values' rANS streams
@@ -337,7 +338,7 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
     gp: gaps_parts(pos), when already computed."""
     count = int(pos.size)
     if count == 0:  # no changes: an empty runs section and an empty planes section
-        return _Choice("runs", b"", 0), _Choice("planes", b"", 0)
+        return _Choice("runs", [], 0), _Choice("planes", [], 0)
     if count == numel:
         return _Choice("all", None), _best_values(vals, dt, cctx)
     if count >= _PAIR_MIN:
@@ -346,10 +347,10 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
         gp = gaps_parts(pos) if gp is None else gp
         vp = value_parts(vals, dt.itemsize)
         if vp is None:
-            graw, vraw = gp.join(encode_rans(gp.sym, gp.counts)), None
+            graw, vraw = gp.chunks(encode_rans_chunks(gp.sym, gp.counts)), None
         else:
             grans, vrans = encode_rans_pair(gp.sym, gp.counts, vp.sym, vp.counts, vp.lut)
-            graw, vraw = gp.join(grans), vp.join(vrans)
+            graw, vraw = gp.chunks(grans), vp.chunks(vrans)
         pchoice = _best_positions(pos, cctx, (graw, gp.zeros))
         vchoice = _best_values(vals, dt, cctx, raw=vraw)
     else:
@@ -373,8 +374,8 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
 
 
 def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor,
-                    gaps: tuple[bytes, int] | None = None) -> _Choice:
-    """gaps: encode_gaps_rans(pos), if already computed."""
+                    gaps: tuple[bytes | list, int] | None = None) -> _Choice:
+    """gaps: encode_gaps_rans(pos) (its section as bytes or chunks), if already computed."""
     count = pos.size
     raw, adjacent = encode_gaps_rans(pos) if gaps is None else gaps
     best = _frame("gaps_rans", raw, cctx)
@@ -389,8 +390,8 @@ _UNSET: Any = object()
 
 
 def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompressor, *,
-                 raw: bytes | None = _UNSET) -> _Choice:
-    """raw: encode_value_symbols(vals, itemsize), if already computed (None included)."""
+                 raw: bytes | list | None = _UNSET) -> _Choice:
+    """raw: encode_value_symbols(vals, itemsize) (bytes or chunks), if already computed (None included)."""
     if raw is _UNSET:
         raw = encode_value_symbols(vals, dt.itemsize)
     best = _frame("symbols_rans", raw, cctx) if raw is not None else None
@@ -452,7 +453,7 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
     if parts.lut is not None:
         sym = np.empty(parts.sym.size, np.int16)
         kernels.map_symbols(parts.sym, parts.lut, sym)
-    return parts.join(encode_rans(sym, parts.counts))
+    return b"".join(parts.chunks(encode_rans_chunks(sym, parts.counts)))
 
 
 class ValueParts:
@@ -464,9 +465,9 @@ class ValueParts:
     def __init__(self, head, sym, lut, counts, tail):
         self.head, self.sym, self.lut, self.counts, self.tail = head, sym, lut, counts, tail
 
-    def join(self, rans: bytes) -> bytes:
-        """The raw section, given the rANS stream of the symbols."""
-        return b"".join((self.head, rans, self.tail))
+    def chunks(self, rans: list) -> list:
+        """The raw section as chunks, given the rANS stream of the symbols (as chunks)."""
+        return [self.head, *rans, self.tail]
 
 
 def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:

@@ -609,6 +609,51 @@ def _mulhi(a, b):
     return np.uint64((int(a) * int(b)) >> 64)
 
 
+_QUANTIZE_MAX_SUM = 1 << 46  # counts summing below this quantise here (c << 16 stays in int64)
+
+
+@_jit
+def rans_model(counts, freq, cum):
+    """A stream's model from int64 symbol counts in one compiled call: the number of
+    symbols that occur, or -1 when the counts need `positions.quantize`'s general path (a
+    negative count, a sum >= 2**46, or a remainder the most frequent symbol cannot take).
+    With two or more symbols it writes `freq` (quantize's fast path, the same integers:
+    floor(c * 2**16 / m), raised to 1 where c > 0, the remainder to the first most frequent
+    symbol) and `cum`, their exclusive prefix sums; otherwise it leaves both as they are."""
+    m = 0
+    used = 0
+    big = 0
+    top = -1
+    for k in range(counts.size):
+        c = counts[k]
+        if c < 0 or c >= _QUANTIZE_MAX_SUM:
+            return -1
+        used += c > 0
+        if c > top:
+            top = c
+            big = k
+        m += c
+    if used <= 1:
+        return used
+    if m >= _QUANTIZE_MAX_SUM:
+        return -1
+    total = 0
+    for k in range(counts.size):
+        f = (counts[k] << 16) // m
+        if f == 0 and counts[k] > 0:
+            f = 1
+        freq[k] = f
+        total += f
+    if freq[big] + PROB_SCALE - total < 1:
+        return -1
+    freq[big] += PROB_SCALE - total
+    at = 0
+    for k in range(counts.size):
+        cum[k] = at
+        at += freq[k]
+    return used
+
+
 @_jit
 def _rans_tables(freq, cum):
     """Per symbol, as uint64 rows (f = 0 rows are never used): [f << 16 (the state bound of

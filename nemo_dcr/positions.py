@@ -311,12 +311,27 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     return np.array(freq, dtype=np.int64)
 
 
+# The encoder hands streams and raw sections on as *chunks*: a list of the buffers they are
+# made of, in order (a header's bytes, the coder's word array, ...), joined once, into the
+# payload (codec.encode), instead of copied again at every level that puts a header in front.
+
+
+def chunks_size(chunks: list) -> int:
+    """Bytes in a list of chunks."""
+    return sum(memoryview(c).nbytes for c in chunks)
+
+
 def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
     """rANS stream (see above) of `symbols` (ints in [0, len(counts))) with these counts."""
+    return b"".join(encode_rans_chunks(symbols, counts))
+
+
+def encode_rans_chunks(symbols: np.ndarray, counts: np.ndarray) -> list:
+    """`encode_rans` as chunks."""
     counts = np.asarray(counts, dtype=np.int64)
     table = _rans_table(counts)
     if isinstance(table, bytes):
-        return table
+        return [table]
     freq, cum = table
     out = np.empty(symbols.size + 4, dtype="<u2")
     start = _k.rans_encode(symbols, freq, cum, out)
@@ -324,9 +339,9 @@ def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
 
 
 def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, counts2: np.ndarray,
-                     lut2: np.ndarray | None = None) -> tuple[bytes, bytes]:
-    """(encode_rans(sym1, counts1), encode_rans(lut2[sym2], counts2)) - the same bytes -
-    coding both streams in one compiled pass when they have the same length (their
+                     lut2: np.ndarray | None = None) -> tuple[list, list]:
+    """(encode_rans(sym1, counts1), encode_rans(lut2[sym2], counts2)) as chunks - the same
+    bytes - coding both streams in one compiled pass when they have the same length (their
     dependency chains then overlap: `kernels.rans_encode2`). lut2=None: sym2 are the
     symbols."""
     counts1 = np.asarray(counts1, dtype=np.int64)
@@ -334,8 +349,8 @@ def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, co
     t1, t2 = _rans_table(counts1), _rans_table(counts2)
     if isinstance(t1, bytes) or isinstance(t2, bytes) or sym1.size != sym2.size or not _k.HAVE_NUMBA:
         s2 = sym2 if lut2 is None else lut2[sym2]
-        return (t1 if isinstance(t1, bytes) else encode_rans(sym1, counts1),
-                t2 if isinstance(t2, bytes) else encode_rans(s2, counts2))
+        return ([t1] if isinstance(t1, bytes) else encode_rans_chunks(sym1, counts1),
+                [t2] if isinstance(t2, bytes) else encode_rans_chunks(s2, counts2))
     if lut2 is None:
         lut2 = np.arange(counts2.size, dtype=np.int32)
     out1 = np.empty(sym1.size + 4, dtype="<u2")
@@ -348,21 +363,26 @@ def _rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
     """(quantised frequencies, their exclusive prefix sums) for int64 counts, or the whole
     stream when at most one symbol occurs (it carries no words)."""
     alphabet = counts.size
-    nz = (counts != 0).nonzero()[0]
-    if nz.size <= 1:
-        freq = np.zeros(alphabet, np.int64)
-        if nz.size:
-            freq[nz[0]] = RANS_SCALE
+    freq = np.empty(alphabet, np.int64)
+    cum = np.empty(alphabet, np.int64)
+    used = _k.rans_model(counts, freq, cum)  # one compiled call: the common case
+    if used == -1:  # counts the fast path does not take (a sum >= 2**46, ...)
+        used = int(np.count_nonzero(counts))
+        if used > 1:
+            freq = quantize(counts)
+            cum[0] = 0
+            np.cumsum(freq[:-1], out=cum[1:])
+    if used <= 1:
+        freq[:] = 0
+        if used:
+            freq[np.flatnonzero(counts)[0]] = RANS_SCALE
         return leb128_encode(np.concatenate(([alphabet], freq, [0])).astype(_U64)).tobytes()
-    freq = quantize(counts)
-    cum = np.zeros(alphabet, np.int64)
-    np.cumsum(freq[:-1], out=cum[1:])
     return freq, cum
 
 
-def _rans_stream(freq: np.ndarray, words: np.ndarray) -> bytes:
-    head = leb128_encode(np.concatenate(([freq.size], freq, [words.size])).astype(_U64)).tobytes()
-    return b"".join((head, words))  # the words' buffer as it is: one copy, not two
+def _rans_stream(freq: np.ndarray, words: np.ndarray) -> list:
+    """The stream's chunks: its header, then the words' buffer as it is (not copied)."""
+    return [leb128_encode(np.concatenate(([freq.size], freq, [words.size])).astype(_U64)).tobytes(), words]
 
 
 class RansStream:
@@ -451,7 +471,7 @@ def encode_gaps_rans(positions: np.ndarray) -> tuple[bytes, int]:
     parts = gaps_parts(positions)
     if parts is None:
         raise ValueError("positions not strictly increasing")
-    return parts.join(encode_rans(parts.sym, parts.counts)), parts.zeros
+    return b"".join(parts.chunks(encode_rans_chunks(parts.sym, parts.counts))), parts.zeros
 
 
 class GapsParts:
@@ -463,12 +483,12 @@ class GapsParts:
     def __init__(self, shift, sym, counts, low, excess, zeros):
         self.shift, self.sym, self.counts, self.low, self.excess, self.zeros = shift, sym, counts, low, excess, zeros
 
-    def join(self, rans: bytes) -> bytes:
-        """The raw section, given encode_rans(self.sym, self.counts)."""
-        out = [leb128_encode(np.array([self.shift], _U64)).tobytes(), rans, self.low]
+    def chunks(self, rans: list) -> list:
+        """The raw section as chunks, given encode_rans_chunks(self.sym, self.counts)."""
+        out = [leb128_encode(np.array([self.shift], _U64)).tobytes(), *rans, self.low]
         if self.excess.size:
             out.append(leb128_encode(self.excess.astype(_U64)).tobytes())
-        return b"".join(out)
+        return out
 
 
 def gaps_parts(positions: np.ndarray) -> GapsParts | None:

@@ -140,10 +140,14 @@ def test_rans_pair_gives_the_two_single_streams(n):
     lut[:37] = np.arange(37)[::-1]
     mapped = lut[raw2].astype(np.int32)
     c1, c2 = np.bincount(s1), np.bincount(mapped, minlength=37)
-    assert encode_rans_pair(s1, c1, raw2, c2, lut) == (encode_rans(s1, c1), encode_rans(mapped, c2))
-    assert encode_rans_pair(s1, c1, mapped, c2) == (encode_rans(s1, c1), encode_rans(mapped, c2))
+
+    def pair(*args):  # the two streams' chunks, joined
+        return tuple(b"".join(chunks) for chunks in encode_rans_pair(*args))
+
+    assert pair(s1, c1, raw2, c2, lut) == (encode_rans(s1, c1), encode_rans(mapped, c2))
+    assert pair(s1, c1, mapped, c2) == (encode_rans(s1, c1), encode_rans(mapped, c2))
     one = np.zeros(n, np.int32)
-    assert encode_rans_pair(s1, c1, one, np.array([n])) == (encode_rans(s1, c1), encode_rans(one, np.array([n])))
+    assert pair(s1, c1, one, np.array([n])) == (encode_rans(s1, c1), encode_rans(one, np.array([n])))
 
 
 def _stream(sym, dtype):
@@ -505,6 +509,37 @@ def test_quantize_sums_and_keeps_every_symbol():
         f = quantize(np.array(counts))
         assert f.sum() == 1 << 16
         assert np.all((f > 0) == (np.array(counts) > 0))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rans_model_is_quantize_with_prefix_sums(compiled):
+    """kernels.rans_model gives quantize's frequencies (and their exclusive prefix sums)
+    wherever it takes the counts, and hands every other case to quantize: -1 for a
+    remainder the largest symbol cannot absorb and for sums too large; the number of
+    symbols that occur when fewer than two do (nothing written then)."""
+    model = kernels.rans_model if compiled else kernels.rans_model.py_func
+    rng = np.random.default_rng(11)
+    cases = [[1, 1], [10**9, 1, 1, 1], [5] + [1] * 1024, [0, 3, 0, 7], [7, 7, 7], [0, 9, 9, 0, 1]]
+    cases += [rng.geometric(p, rng.integers(2, 5000)).clip(max=255) for p in (0.01, 0.3, 0.9)]
+    cases += [np.bincount(rng.geometric(0.4, n).clip(max=300)) for n in (2, 10, 1000, 10**6)]
+    for counts in cases:
+        counts = np.asarray(counts, np.int64)
+        freq, cum = np.full(counts.size, -5, np.int64), np.full(counts.size, -5, np.int64)
+        used = model(counts, freq, cum)
+        assert used == np.count_nonzero(counts)
+        if used < 2:
+            assert (freq == -5).all()
+            continue
+        np.testing.assert_array_equal(freq, quantize(counts))
+        np.testing.assert_array_equal(cum, np.concatenate(([0], np.cumsum(freq)[:-1])))
+    # 1025 symbols raised to frequency 1 leave the largest too little: quantize's general path
+    starved = np.array([2**40] + [1] * 70_000, np.int64)
+    assert model(starved, np.empty(starved.size, np.int64), np.empty(starved.size, np.int64)) == -1
+    for counts in ([1 << 46, 1], [(1 << 45) + 1, 1 << 45], [3, -1, 4]):  # too large, or negative
+        counts = np.array(counts, np.int64)
+        assert model(counts, np.empty(counts.size, np.int64), np.empty(counts.size, np.int64)) == -1
+    assert model(np.zeros(3, np.int64), np.empty(3, np.int64), np.empty(3, np.int64)) == 0
+    assert model(np.array([0, 4], np.int64), np.empty(2, np.int64), np.empty(2, np.int64)) == 1
 
 
 def test_raw_streams_are_pinned():
