@@ -132,17 +132,18 @@ def test_an_encoding_error_fails_the_refit_after_the_payloads_before_it_and_leav
 def test_encoding_threads_are_kept_between_refits_and_end_with_the_producer():
     params, owned, maps, specs = _weights()
     baseline = Baseline()
-    prod = Producer("p0", owned, maps, specs, baseline, KeepingEnd(), max_payload_elements=500,
+    # An id of its own: threads of other tests' producers may still be on their way out.
+    prod = Producer("kept", owned, maps, specs, baseline, KeepingEnd(), max_payload_elements=500,
                     chunk_elements=4096, encode_threads=2)
 
     def encoders():
-        return {t.ident for t in threading.enumerate() if t.name.startswith("dcr-encode-p0")}
+        return {t.ident for t in threading.enumerate() if t.name.startswith("dcr-encode-kept")}
 
     _step(params, 0.05, seed=1)
-    prod.refit(TransferInfo("t", 0, 1, ("p0",)))
+    prod.refit(TransferInfo("t", 0, 1, ("kept",)))
     first = encoders()
     baseline.abort()
-    prod.refit(TransferInfo("t2", 0, 1, ("p0",)))
+    prod.refit(TransferInfo("t2", 0, 1, ("kept",)))
     assert first and encoders() == first  # the same threads (and their malloc arenas) again
     del prod
     gc.collect()
