@@ -6,7 +6,8 @@ pattern compare by their stored bits. Runs on whatever device the tensors are on
 CPU fast path with numba (`diff_arrays`, the producer's path; `diff` and
 `_diff_compiled` use it too): one compiled pass writes the positions, the new bits and
 the values the records carry (xor and/or add, or the committed bits) into preallocated
-buffers, keeping only the changed elements. 16-bit inputs (BF16, F16) on an AVX-512 host
+buffers, keeping only the changed elements (with a `DiffOutput`, the chunks of one range
+end to end in the same buffers). 16-bit inputs (BF16, F16) on an AVX-512 host
 take `kernels.diff16`: 128 elements per block, four 512-bit compares, and compress-stores
 for the blocks that differ - no branch per element, at 6-8 GB/s of BF16 on one core of
 the reference machine for 0-0.1% changes and about 5 GB/s at 1-5% (a memory-bound
@@ -112,8 +113,31 @@ _MODES = {("old",): kernels.DIFF_OLD, ("xor",): kernels.DIFF_XOR, ("add",): kern
           ("xor", "add"): kernels.DIFF_XOR_ADD, (): kernels.DIFF_NONE}
 
 
+class DiffOutput:
+    """Where successive `diff_arrays` calls over the chunks of one range write, end to end:
+    each call's arrays are views that directly follow the previous call's in the same
+    buffers, so that consecutive chunks' changes can be taken as one view instead of being
+    copied together (the payload builder does: `sender._Arena.concatenate`). A chunk that
+    does not fit moves to new, larger buffers; buffers are never resized in place, so the
+    views handed out stay valid. Used by the 16-bit vector scan; other paths ignore it."""
+
+    def __init__(self, elements: int):
+        self.left = elements  # elements of the range not diffed yet: sizes fresh buffers
+        self.bufs: list[np.ndarray] | None = None  # positions, new bits, value arrays
+        self.fill = 0  # slots used
+
+    def take(self, kind: tuple, chunk: int) -> tuple[list[np.ndarray] | None, int]:
+        """(buffers, first free slot) for a chunk of `chunk` elements whose arrays are of
+        `kind` (dtypes); (None, 0) when the buffers are of another kind (or none yet)."""
+        self.left = max(self.left - chunk, 0)
+        if self.bufs is None or tuple(b.dtype for b in self.bufs) != kind:
+            return None, 0
+        return self.bufs, self.fill
+
+
 def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",), base: int = 0,
-                narrow: bool = False) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+                narrow: bool = False, out: DiffOutput | None = None
+                ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Changed positions of 1-D integer arrays a (new bits) vs b (committed bits), as one
     compiled pass (requires numba).
 
@@ -124,12 +148,12 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     16-bit scan when base + len(a) < 2**31 (half its position compress-stores; callers
     widen them where they copy anyway). 16-bit inputs on an AVX-512 host take
     `kernels.diff16` (the scan itself writes the values, but for "add" beside "xor");
-    others the word scan `kernels.diff_words` plus one vectorised pass per value array."""
+    others the word scan `kernels.diff_words` plus one vectorised pass per value array.
+    `out`: the 16-bit scan writes there, after what earlier calls wrote (see DiffOutput)."""
     if values not in _MODES:
         raise ValueError(f"unsupported values {values!r}")
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     size = a.size
-    cap = max(1024, size >> 4)  # grown (doubled) when the changes do not fit
     if kernels.HAVE_VECTOR_DIFF and a.itemsize == 2:
         # xor and add: the scan writes the xor only; add = new - (new ^ xor) is one cheap
         # pass over the changes afterwards (a fifth compress-store per 32 elements costs more).
@@ -139,33 +163,49 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
         # Positions with `base` added by the scan itself; int32 ones (narrow) take two
         # compresses per 32 elements where int64 ones take four.
         pdt = np.int32 if narrow and base + size < (1 << 31) else np.int64
-        bufs = [np.empty(cap, pdt)] + [np.empty(cap, a.dtype) for _ in range(1 + nv)]
+        kind = (np.dtype(pdt),) + (a.dtype,) * (1 + len(values))
+        bufs, start = out.take(kind, size) if out is not None else (None, 0)
+        # Room for ~1 change in 16 elements (grown when short); with `out`, for the rest of the range.
+        cap = max(1024, (size + (out.left if out is not None else 0)) >> 4)
+        if bufs is None:
+            bufs = [np.empty(cap, t) for t in kind]
         empty = np.empty(0, a.dtype)
 
         def call(i, n):
-            v = bufs[2:] + [empty] * (2 - nv)
+            v = bufs[2:2 + nv] + [empty] * (2 - nv)
             return kernels.diff16(a, b, i, base, bufs[0], bufs[1], v[0], v[1], _MODES[scan_values], n)
 
-        n, i = call(0, 0)
+        def grow(n, room):
+            """This chunk's slots so far [start, n) at the front of new buffers with `room` more."""
+            nonlocal bufs, start
+            bufs = [np.concatenate((x[start:n], np.empty(max(cap, room), x.dtype))) for x in bufs]
+            n, start = n - start, 0
+            return n
+
+        n, i = call(0, start)
         while i < size - size % kernels.DIFF_BLOCK:
-            cap = min(2 * cap, size + kernels.DIFF_BLOCK)
-            bufs = [np.concatenate((x[:n], np.empty(cap - n, x.dtype))) for x in bufs]
-            n, i = call(i, n)
-        out = [x[:n] for x in bufs]
-        if both:
-            out.append(np.subtract(out[1], np.bitwise_xor(out[1], out[2])))  # new - old, wrapping
+            n, i = call(i, grow(n, min(2 * (n - start), size - i) + kernels.DIFF_BLOCK))
         if i < size:  # the tail after the last whole block
             t = np.flatnonzero(a[i:] != b[i:])
             if t.size:
+                if n + t.size > bufs[0].size:
+                    n = grow(n, t.size)
                 x, y = a[i:][t], b[i:][t]
-                tail = [t + (base + i), x] + [_values_of(x, y, k) for k in values]
-                out = [np.concatenate((o, u.astype(o.dtype, copy=False))) for o, u in zip(out, tail)]
+                for buf, u in zip(bufs, [t + (base + i), x] + [_values_of(x, y, k) for k in scan_values]):
+                    buf[n:n + t.size] = u
+                n += t.size
+        res = [x[start:n] for x in bufs]
+        if both:  # new - old, wrapping, into its own buffer
+            np.subtract(res[1], np.bitwise_xor(res[1], res[2]), out=res[3])
+        if out is not None:
+            out.bufs, out.fill = bufs, n
     else:
+        cap = max(1024, size >> 4)  # grown (doubled) when the changes do not fit
         pos, new, old = _diff_words_compiled(a, b, cap)
         if base:
             pos += base
-        out = [pos, new] + [_values_of(new, old, k) for k in values]
-    return out[0], out[1], out[2:]
+        res = [pos, new] + [_values_of(new, old, k) for k in values]
+    return res[0], res[1], res[2:]
 
 
 def _values_of(new: np.ndarray, old: np.ndarray, kind: str) -> np.ndarray:

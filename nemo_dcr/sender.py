@@ -20,7 +20,7 @@ import torch
 
 from nemo_dcr import codec, dtypes, kernels
 from nemo_dcr.baseline import Baseline
-from nemo_dcr.diff import diff, diff_arrays
+from nemo_dcr.diff import DiffOutput, diff, diff_arrays
 from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
 from nemo_dcr.metrics import page_faults
@@ -169,10 +169,14 @@ class _Arena:
 
     def concatenate(self, arrays: list[np.ndarray], dtype=None) -> np.ndarray:
         """np.concatenate(arrays) into the arena, as `dtype` (default: the arrays'); one
-        array already of that dtype is itself, not copied."""
+        array already of that dtype is itself, and arrays of it that lie end to end in one
+        buffer (the diff's chunks, `diff.DiffOutput`) are one view of it: neither is copied."""
         dtype = np.dtype(arrays[0].dtype if dtype is None else dtype)
         if len(arrays) == 1 and arrays[0].dtype == dtype:
             return arrays[0]
+        joined = _end_to_end(arrays, dtype)
+        if joined is not None:
+            return joined
         n = sum(a.size for a in arrays)
         start = -(-self.used // self.ALIGN) * self.ALIGN
         end = start + n * dtype.itemsize
@@ -182,6 +186,24 @@ class _Arena:
         self.used = end
         # unsafe: int64 positions (never negative) go to uint64 as astype() would take them
         return np.concatenate(arrays, out=self.buf[start:end].view(dtype), casting="unsafe")
+
+
+def _end_to_end(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
+    """One view of the memory `arrays` (1-D, all of `dtype`) cover when each starts where
+    the one before ends, inside one contiguous buffer that owns it; else None."""
+    arrays = [a for a in arrays if a.size] or arrays[:1]  # an empty view may point anywhere
+    owner = arrays[0].base
+    if not isinstance(owner, np.ndarray) or not owner.flags.c_contiguous:
+        return None
+    for a, b in zip(arrays, arrays[1:]):
+        if (b.dtype != dtype or b.base is not owner or not b.flags.c_contiguous
+                or b.ctypes.data != a.ctypes.data + a.nbytes):
+            return None
+    if arrays[0].dtype != dtype or not arrays[0].flags.c_contiguous:
+        return None
+    at = arrays[0].ctypes.data - owner.ctypes.data
+    nbytes = sum(a.nbytes for a in arrays)
+    return owner.reshape(-1).view(np.uint8)[at:at + nbytes].view(dtype)
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
@@ -384,6 +406,7 @@ class Producer:
             fast = _compiled_diff(current, committed)
             if fast:
                 cur, com = current.detach().reshape(-1).numpy(), committed.detach().reshape(-1).numpy()
+                sink = DiffOutput(current.numel())  # the chunks' changes end to end: records take them uncopied
             else:  # the committed bits where `current` is: the host copy, or a GPU mirror
                 committed = self.baseline.committed_on(key, current.device)
             step = self.chunk if current.device.type == "cpu" else max(self.chunk, _DEVICE_CHUNK)
@@ -392,7 +415,7 @@ class Producer:
                 t = time.perf_counter()
                 if fast:
                     positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=lo,
-                                                            narrow=True)
+                                                            narrow=True, out=sink)
                     if positions.size == 0:
                         rep.times["diff"] += time.perf_counter() - t
                         continue

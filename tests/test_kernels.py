@@ -128,6 +128,48 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
             np.testing.assert_array_equal(got, want[kind], err_msg=f"{kind}, n={n}")
 
 
+@pytest.mark.skipif(not kernels.HAVE_VECTOR_DIFF, reason="host has no AVX-512 VBMI2")
+@pytest.mark.parametrize("values", [(), ("old",), ("xor",), ("add",), ("xor", "add")])
+def test_diff_arrays_writes_chunks_end_to_end(values):
+    """With a DiffOutput, the chunks of a range come out as the chunk-by-chunk diff would
+    give them, each view directly after the one before in the same buffers, but where a
+    chunk did not fit: it moved to new buffers, and the views handed out before kept
+    their contents. Chunk sizes with tails, a chunk without changes, and rates that
+    outgrow the first buffers (sized for ~1 change in 16)."""
+    from nemo_dcr.diff import DiffOutput
+
+    rng = np.random.default_rng(len(values))
+    sizes = [128 * 50, 128 * 50 + 77, 3000, 128 * 64, 128 * 200, 500, 128 * 30]
+    rates = [0.02, 0.01, 0.0, 0.05, 0.9, 0.5, 0.03]
+    old = rng.integers(-(1 << 15), 1 << 15, sum(sizes)).astype(np.int16)
+    new = old.copy()
+    at = 0
+    for size, rate in zip(sizes, rates):
+        hit = np.flatnonzero(rng.random(size) < rate) + at
+        new[hit] += rng.integers(1, 200, hit.size).astype(np.int16)
+        at += size
+    sink = DiffOutput(old.size)
+    got, moved, at = [], 0, 0
+    for size in sizes:
+        lo, hi = at, at + size
+        arrays = diff_arrays(new[lo:hi], old[lo:hi], values, base=lo, narrow=True, out=sink)
+        want = diff_arrays(new[lo:hi], old[lo:hi], values, base=lo, narrow=True)
+        flat = [arrays[0], arrays[1], *arrays[2]]
+        for x, y in zip(flat, [want[0], want[1], *want[2]]):
+            np.testing.assert_array_equal(x, y)
+        if got and got[-1][0].size:
+            follows = [x.ctypes.data == p.ctypes.data + p.nbytes for x, p in zip(flat, got[-1])]
+            assert all(follows) or not any(follows)
+            moved += not follows[0]
+        got.append(flat)
+        at = hi
+    assert moved >= 1  # the 90% chunk outgrew the buffers sized for the range at 1/16
+    for (lo, size), arrays in zip(zip(np.cumsum([0] + sizes[:-1]), sizes), got):
+        ref = np.flatnonzero(new[lo:lo + size] != old[lo:lo + size])
+        np.testing.assert_array_equal(arrays[0], ref + lo)  # still intact after later chunks
+        np.testing.assert_array_equal(arrays[1], new[lo:lo + size][ref])
+
+
 @pytest.mark.parametrize("n", [20_000, 20_001])
 def test_rans_pair_gives_the_two_single_streams(n):
     """encode_rans_pair codes both streams in one pass: the same bytes as two encode_rans,

@@ -63,6 +63,24 @@ def test_arena_growth_keeps_what_it_handed_out():
     assert wide.dtype == np.uint64 and np.shares_memory(wide, arena.buf) and list(wide) == [0, 1, 2]
 
 
+def test_parts_end_to_end_in_one_buffer_are_one_view():
+    """Parts that lie end to end in one buffer (the diff's chunks of a range) come back as
+    one view of it; a gap, another buffer, another dtype or a widening copies."""
+    arena = _Arena().reset()
+    buf = np.arange(100, dtype=np.int32)
+    parts = [buf[10:20].view(np.uint32), buf[20:20].view(np.uint32), buf[20:45].view(np.uint32)]
+    joined = arena.concatenate(parts, np.uint32)
+    assert joined.dtype == np.uint32 and not np.shares_memory(joined, arena.buf)
+    assert np.shares_memory(joined, buf) and list(joined) == list(range(10, 45))
+    copies = [([buf[10:20], buf[21:30]], np.int32), ([buf[10:20], np.arange(5, dtype=np.int32)], np.int32),
+              ([buf[10:20].view(np.uint32), buf[20:30].view(np.uint32)], np.uint64),
+              ([buf[10:20], buf[20:30].view(np.uint32)], np.int32)]
+    for arrays, dtype in copies:
+        out = arena.concatenate(arrays, dtype)
+        assert np.shares_memory(out, arena.buf) and not np.shares_memory(out, buf)
+        np.testing.assert_array_equal(out, np.concatenate(arrays).astype(dtype))
+
+
 def test_parts_not_known_increasing_are_checked_and_sorted():
     """Parts placed through pieces that are not monotone: the record is checked for order
     and sorted (with its values) only when it needs to be, for uint32 and uint64 positions."""
