@@ -18,6 +18,7 @@ and each output is placed by its own `AffineMap` (output flat index -> canonical
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +57,8 @@ class Piece:
         """One past the largest canonical flat index of the piece."""
         return self.offset + (self.rows - 1) * self.row_stride + self.cols if self.rows else self.offset
 
-    def canonical_index(self, local: np.ndarray, shift: int = 0) -> np.ndarray:
+    def canonical_index(self, local: np.ndarray, shift: int = 0,
+                        alloc: Callable[[int, np.dtype], np.ndarray] | None = None) -> np.ndarray:
         """Canonical flat indices of local flat indices `local + shift` inside this piece:
         int64, or int32 when `local` is (the producer's diff gives int32 positions) and
         the piece's canonical indices stay below 2**31 (the narrower arrays cost less to
@@ -65,15 +67,17 @@ class Piece:
         A piece whose block rows lie end to end in canonical order (one row, or a row
         stride equal to its width) maps by a constant shift; when that shift is 0 (the
         piece sits where the local tensor does) the result is `local` itself, not a copy:
-        callers do not write to it."""
+        callers do not write to it. `alloc(n, dtype)`: an array the compiled row mapping
+        writes into, instead of a new one (the producer's, so that successive chunks'
+        indices lie end to end)."""
         start = self.local_start - shift
         out_dtype = np.int32 if local.dtype == np.int32 and self.canonical_stop <= _INT32.max else np.int64
         if local.dtype in (np.int64, np.int32) and (self.rows <= 1 or self.row_stride == self.cols):
             d = self.offset - start
             return local if d == 0 and local.dtype == out_dtype else np.add(local, d, dtype=out_dtype)
         if _kernels.HAVE_NUMBA and local.dtype in (np.int64, np.int32) and local.ndim == 1:
-            out = np.empty(local.size, out_dtype)  # one compiled pass
-            _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,
+            out = np.empty(local.size, out_dtype) if alloc is None else alloc(local.size, out_dtype)
+            _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,  # one compiled pass
                                   self.row_stride, out)
             return out
         rel = local.astype(np.int64) - start
@@ -131,12 +135,15 @@ class AffineMap:
         """
         return [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in self.place_spans(local)]
 
-    def place_spans(self, local: np.ndarray, shift: int = 0) -> list[tuple[str, np.ndarray, int, int, bool]]:
+    def place_spans(self, local: np.ndarray, shift: int = 0,
+                    alloc: Callable[[int, int, np.dtype], np.ndarray] | None = None
+                    ) -> list[tuple[str, np.ndarray, int, int, bool]]:
         """`place` for local positions `local + shift` (sorted), without materialising the
         source indices: (canonical name, canonical positions, lo, hi, monotone) per
         touched piece, where local[lo:hi] are the positions it places and `monotone`
         says the canonical positions are strictly increasing (Piece.monotone). `local`
-        may be int64 or int32 (see Piece.canonical_index for the canonical positions')."""
+        may be int64 or int32 (see Piece.canonical_index for the canonical positions').
+        `alloc(i, n, dtype)`: where piece i's computed positions go (Piece.canonical_index)."""
         out = []
         if local.size == 0:
             return out
@@ -147,7 +154,8 @@ class AffineMap:
         for i, p in enumerate(self.pieces):
             lo, hi = int(found[i]), int(found[len(self.pieces) + i])
             if hi > lo:
-                out.append((p.canonical, p.canonical_index(local[lo:hi], shift), lo, hi, p.monotone))
+                into = None if alloc is None else functools.partial(alloc, i)
+                out.append((p.canonical, p.canonical_index(local[lo:hi], shift, into), lo, hi, p.monotone))
         return out
 
 

@@ -407,8 +407,10 @@ class Producer:
             if fast:
                 cur, com = current.detach().reshape(-1).numpy(), committed.detach().reshape(-1).numpy()
                 sink = DiffOutput(current.numel())  # the chunks' changes end to end: records take them uncopied
+                slots = _Slots(sink)  # and so the positions placed through strided pieces
             else:  # the committed bits where `current` is: the host copy, or a GPU mirror
                 committed = self.baseline.committed_on(key, current.device)
+                slots = None
             step = self.chunk if current.device.type == "cpu" else max(self.chunk, _DEVICE_CHUNK)
             for lo in range(0, current.numel(), step):
                 hi = min(lo + step, current.numel())
@@ -445,7 +447,7 @@ class Producer:
                 changed += positions.size
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
-                for name, cpos, src, increasing in _placed_spans(amap, positions, offset):
+                for name, cpos, src, increasing in _placed_spans(amap, positions, offset, slots):
                     builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src],
                                 None if new is None else new[src], increasing)
                     rep.placed_elements += cpos.size
@@ -550,18 +552,39 @@ def _placed(amap: AffineMap, local: np.ndarray):
 _UNSIGNED = {np.dtype(np.int64): np.uint64, np.dtype(np.int32): np.uint32}  # canonical_index gives these two
 
 
-def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int):
+def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int, slots: _Slots | None = None):
     """`_placed` of local positions `positions + offset` (sorted int64 or int32), with a fourth
     field: whether the canonical positions are known strictly increasing. Every touched
     piece with its own tensor (the usual case) takes a contiguous range of `positions`,
-    returned as a slice; the offset is folded into the pieces, not added to a copy."""
-    spans = amap.place_spans(positions, offset)
+    returned as a slice; the offset is folded into the pieces, not added to a copy.
+    `slots`: where computed canonical positions go, piece by piece (see _Slots)."""
+    spans = amap.place_spans(positions, offset, None if slots is None else slots.take)
     if len({name for name, *_ in spans}) == len(spans):
         # int32 positions stay 32-bit (as uint32): see _Batch.records
         return [(name, cpos.view(_UNSIGNED[cpos.dtype]), slice(lo, hi), increasing)
                 for name, cpos, lo, hi, increasing in spans]
     placed = [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in spans]
     return [(name, cpos, src, True) for name, (cpos, src) in merge_placed(placed).items()]
+
+
+class _Slots:
+    """Arrays handed out end to end in one growing buffer per key (a piece of a local tensor),
+    so that the canonical positions a piece computes chunk after chunk can be taken as one
+    view by the payload builder (`_end_to_end`), as the diff's own arrays are
+    (`diff.DiffOutput`, whose capacity sizes a new buffer: about the rest of the range's
+    changes). A request that does not fit starts a new buffer; views handed out stay valid."""
+
+    def __init__(self, sink: DiffOutput):
+        self.sink = sink
+        self.bufs: dict[int, tuple[np.ndarray, int]] = {}
+
+    def take(self, key: int, n: int, dtype) -> np.ndarray:
+        buf, used = self.bufs.get(key, (None, 0))
+        if buf is None or buf.dtype != dtype or used + n > buf.size:
+            room = self.sink.bufs[0].size if self.sink.bufs is not None else 0
+            buf, used = np.empty(max(n, room), dtype), 0
+        self.bufs[key] = (buf, used + n)
+        return buf[used:used + n]
 
 
 # diff_arrays values per operation: what the records carry (overwrite: the new bits)

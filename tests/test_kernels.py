@@ -359,6 +359,41 @@ def test_piece_in_place_maps_without_a_copy():
     np.testing.assert_array_equal(Piece("c", 0, 4, 8, 0, 9).canonical_index(local), [3, 4, 10, 33])
 
 
+@needs_numba
+def test_strided_pieces_place_chunk_after_chunk_end_to_end():
+    """The producer's slots (sender._Slots): a strided piece's canonical positions of
+    successive chunks go end to end into one buffer per piece, the same positions as
+    without; a chunk that does not fit, or of another dtype, starts a new buffer and
+    leaves the views handed out as they were. Contiguous pieces compute nothing there."""
+    from nemo_dcr.diff import DiffOutput
+    from nemo_dcr.sender import _Slots
+
+    amap = AffineMap("w", 2 * 64 * 50, (Piece("a", 0, 64, 50, 0, 100), Piece("b", 64 * 50, 64, 50, 50, 100)))
+    sink = DiffOutput(0)
+    sink.bufs = [np.empty(40, np.int32)]  # the diff's room: 40 slots a new buffer
+    slots = _Slots(sink)
+    rng = np.random.default_rng(3)
+    local = np.sort(rng.choice(amap.numel, 120, replace=False)).astype(np.int32)
+    got, want = {}, {}
+    for chunk in np.array_split(local, 6):
+        for (name, cpos, *_), (_, ref, *_) in zip(amap.place_spans(chunk, 0, slots.take), amap.place_spans(chunk)):
+            np.testing.assert_array_equal(cpos, ref)
+            got.setdefault(name, []).append(cpos)
+            want.setdefault(name, []).append(ref.copy())
+    for name, views in got.items():
+        follows = [b.ctypes.data == a.ctypes.data + a.nbytes for a, b in zip(views, views[1:]) if b.size]
+        assert any(follows) and not all(follows)  # end to end, but for a new 40-slot buffer
+        for view, ref in zip(views, want[name]):
+            np.testing.assert_array_equal(view, ref)  # later chunks wrote elsewhere
+    wide = slots.take(0, 3, np.int64)  # another dtype: a buffer of its own
+    assert wide.dtype == np.int64 and not np.shares_memory(wide, got["a"][-1])
+    flat = AffineMap("f", 100, (Piece("f", 0, 1, 100, 0, 100),))
+    ones = np.arange(5, dtype=np.int32)
+    used = {k: n for k, (_, n) in slots.bufs.items()}
+    assert np.shares_memory(flat.place_spans(ones, 0, slots.take)[0][1], ones)
+    assert {k: n for k, (_, n) in slots.bufs.items()} == used  # no slots taken
+
+
 # -------------------------------------------------------------- rANS / gaps_rans
 
 
