@@ -281,17 +281,16 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     raised to 1 where c > 0; the remainder goes to the first most frequent symbol, and
     an excess is taken from the currently largest frequencies (first first), keeping >= 1."""
     counts = np.asarray(counts)
-    m = int(counts.sum(dtype=np.uint64)) if counts.dtype.kind in "iu" and counts.size else 0
-    if counts.dtype.kind in "iu" and 0 < m < (1 << 46) and int(counts.min()) >= 0:
-        # The same integers, vectorised (c * 2**16 cannot overflow int64 here).
-        c64 = counts.astype(np.int64, copy=False)
-        freq = (c64 << 16) // m
-        freq[(c64 > 0) & (freq == 0)] = 1
-        diff = RANS_SCALE - int(freq.sum())
-        big = int(np.argmax(c64))  # the first most frequent symbol
-        if int(freq[big]) + diff >= 1:
-            freq[big] += diff
+    if counts.dtype.kind in "iu" and counts.size:
+        # The same integers, compiled (kernels.rans_model) wherever its fast path applies.
+        freq = np.empty(counts.size, np.int64)
+        if _k.rans_model(counts.astype(np.int64, copy=False), freq, np.empty(counts.size, np.int64)) > 1:
             return freq
+    return _quantize_general(counts)
+
+
+def _quantize_general(counts: np.ndarray) -> np.ndarray:
+    """`quantize` in Python integers, whatever the counts' size."""
     c = [int(x) for x in counts.tolist()]
     m = sum(c)
     freq = [(x * RANS_SCALE) // m for x in c]
@@ -369,7 +368,7 @@ def _rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
     if used == -1:  # counts the fast path does not take (a sum >= 2**46, ...)
         used = int(np.count_nonzero(counts))
         if used > 1:
-            freq = quantize(counts)
+            freq = _quantize_general(counts)
             cum[0] = 0
             np.cumsum(freq[:-1], out=cum[1:])
     if used <= 1:

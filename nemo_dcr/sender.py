@@ -195,15 +195,13 @@ def _end_to_end(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
     owner = arrays[0].base
     if not isinstance(owner, np.ndarray) or not owner.flags.c_contiguous:
         return None
-    for a, b in zip(arrays, arrays[1:]):
-        if (b.dtype != dtype or b.base is not owner or not b.flags.c_contiguous
-                or b.ctypes.data != a.ctypes.data + a.nbytes):
+    at = arrays[0].ctypes.data
+    for a in arrays:
+        if a.dtype != dtype or a.base is not owner or not a.flags.c_contiguous or a.ctypes.data != at:
             return None
-    if arrays[0].dtype != dtype or not arrays[0].flags.c_contiguous:
-        return None
-    at = arrays[0].ctypes.data - owner.ctypes.data
-    nbytes = sum(a.nbytes for a in arrays)
-    return owner.reshape(-1).view(np.uint8)[at:at + nbytes].view(dtype)
+        at += a.nbytes
+    start = arrays[0].ctypes.data - owner.ctypes.data
+    return owner.reshape(-1).view(np.uint8)[start:at - owner.ctypes.data].view(dtype)
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the

@@ -594,6 +594,8 @@ def test_rans_model_is_quantize_with_prefix_sums(compiled):
     wherever it takes the counts, and hands every other case to quantize: -1 for a
     remainder the largest symbol cannot absorb and for sums too large; the number of
     symbols that occur when fewer than two do (nothing written then)."""
+    from nemo_dcr.positions import _quantize_general
+
     model = kernels.rans_model if compiled else kernels.rans_model.py_func
     rng = np.random.default_rng(11)
     cases = [[1, 1], [10**9, 1, 1, 1], [5] + [1] * 1024, [0, 3, 0, 7], [7, 7, 7], [0, 9, 9, 0, 1]]
@@ -608,6 +610,7 @@ def test_rans_model_is_quantize_with_prefix_sums(compiled):
             assert (freq == -5).all()
             continue
         np.testing.assert_array_equal(freq, quantize(counts))
+        np.testing.assert_array_equal(freq, _quantize_general(counts))  # quantize calls the kernel itself
         np.testing.assert_array_equal(cum, np.concatenate(([0], np.cumsum(freq)[:-1])))
     # 1025 symbols raised to frequency 1 leave the largest too little: quantize's general path
     starved = np.array([2**40] + [1] * 70_000, np.int64)
