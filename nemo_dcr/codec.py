@@ -52,6 +52,7 @@ import zstandard
 from . import dtypes
 from .errors import PayloadRejected
 from . import kernels
+from .joint import decode_joint, encode_joint
 from .positions import (
     MAX_NUMEL,
     GapsParts,
@@ -70,19 +71,22 @@ from .positions import (
     entropy_bits,
     gaps_parts,
     leb128_encode,
+    read_model,
 )
 from .records import Op, Payload, PayloadHeader, Record
 
 MAGIC = b"NDCR"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 FLAG_HMAC = 0x0001
 _PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = _PREFIX.size  # 12
 CHECKSUM_BYTES = 16
 HMAC_BYTES = 32
 
-POSITION_ENCODINGS = ("gaps_rans", "runs", "all", "dense")
-VALUE_ENCODINGS = ("symbols_rans", "planes")
+POSITION_ENCODINGS = ("gaps_rans", "gaps_joint", "runs", "all", "dense")
+VALUE_ENCODINGS = ("symbols_rans", "symbols_joint", "planes")
+# v5: a record's positions and values as one rANS stream (nemo_dcr.joint); always together.
+_JOINT = ("gaps_joint", "symbols_joint")
 # Literal values a `symbols_rans` table may hold (one more symbol escapes to raw values).
 VALUE_ALPHABET = 1024
 # Records of at most this many changes also try the simple v1 encodings (runs, planes).
@@ -104,11 +108,13 @@ _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
 # each section has one spelling. Only `true` is valid.
 _STORED = "stored"
 # What the encoder stores raw: rANS output is incompressible, zstd would only cost time.
-_STORED_ENCODINGS = frozenset({"gaps_rans", "symbols_rans"})
+_STORED_ENCODINGS = frozenset({"gaps_rans", "symbols_rans", *_JOINT})
 _POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps_rans": _SECTION_KEYS | {"encoding"},
+                  "gaps_joint": _SECTION_KEYS | {"encoding"},
                   "all": frozenset({"encoding"}), "dense": frozenset({"encoding"})}
 _VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
-               "symbols_rans": _SECTION_KEYS | {"encoding", "width"}}
+               "symbols_rans": _SECTION_KEYS | {"encoding", "width"},
+               "symbols_joint": _SECTION_KEYS | {"encoding", "width"}}
 
 
 def _blake2b_128() -> Any:
@@ -122,6 +128,7 @@ class _Version:
     hasher: Callable[[], Any]  # a new hash object (update / digest) for the checksum
     checksum_name: str
     stored_sections: bool  # whether a section may be stored raw ("stored": true)
+    joint: bool = False  # whether records may use the joint encodings (gaps_joint / symbols_joint)
 
     def checksum(self, *parts: Any) -> bytes:
         """The checksum of bytes [0, 12+H+B), given as one or more consecutive parts
@@ -137,8 +144,8 @@ _VERSIONS = {
     # XXH3-128: 30-50 GB/s here against BLAKE2b's 0.4-0.7 (1.5-3 ns per change at 3%). It guards
     # against corruption only, as BLAKE2b without a key did; the HMAC authenticates.
     4: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True),
+    5: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True, joint=True),
 }
-_CURRENT = _VERSIONS[FORMAT_VERSION]
 
 
 @dataclass(frozen=True)
@@ -213,17 +220,23 @@ class _Rejecting:
 # ======================================================================== encode
 
 
-def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto") -> bytes:
-    """Serialize `payload` (format v4). Raises ValueError on an invalid payload.
+def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto",
+           version: int = FORMAT_VERSION) -> bytes:
+    """Serialize `payload` (format v5). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
     level: zstd compression level for every section that is not stored raw.
     dense: "auto" sends an xor/add record densely (every element's value, zeros
            included) when that is smaller on the wire; "never" / "always" force it
            (for benchmarks). The decoded record is the same either way.
+    version: 5, or 4 for receivers that do not read version 5 yet (no joint streams:
+           every record's positions and values in two rANS streams, as v4 coded them).
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
+    if version not in (4, 5):
+        raise ValueError(f"version must be 4 or 5 (the versions this encoder writes), got {version!r}")
+    joint_ok = _VERSIONS[version].joint
     h = payload.header
     _check_identity(h, ValueError)
     if h.target_version == h.base_version and any(Op(r.op) is not Op.OVERWRITE for r in payload.records):
@@ -275,7 +288,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         if vals.shape[0] != pos.shape[0]:
             raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
         count = int(pos.shape[0])
-        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps)
+        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps, joint_ok)
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
@@ -296,8 +309,8 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
                         ensure_ascii=False).encode("utf-8")
     flags = FLAG_HMAC if key is not None else 0
     # Checksum and HMAC over the parts as they are, then one join: no whole-payload copies.
-    parts = [_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(hbytes)), hbytes, *sections]
-    parts.append(_CURRENT.checksum(*parts))
+    parts = [_PREFIX.pack(MAGIC, version, flags, len(hbytes)), hbytes, *sections]
+    parts.append(_VERSIONS[version].checksum(*parts))
     if key is not None:
         mac = hmac.new(_key_bytes(key), digestmod=hashlib.sha256)
         for part in parts:
@@ -333,26 +346,33 @@ _PAIR_MIN = 4096
 
 def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int,
                    cctx: zstandard.ZstdCompressor, dense: str, where: str,
-                   gp: GapsParts | None = None) -> tuple[_Choice, _Choice]:
+                   gp: GapsParts | None = None, joint_ok: bool = True) -> tuple[_Choice, _Choice]:
     """(positions, values) sections of one record: the smallest of the encodings that fit.
-    gp: gaps_parts(pos), when already computed."""
+    gp: gaps_parts(pos), when already computed; joint_ok: whether the joint stream may be used (v5)."""
     count = int(pos.size)
     if count == 0:  # no changes: an empty runs section and an empty planes section
         return _Choice("runs", [], 0), _Choice("planes", [], 0)
     if count == numel:
         return _Choice("all", None), _best_values(vals, dt, cctx)
     if count >= _PAIR_MIN:
-        # Both raw sections at once: gaps and value symbols first, then their two rANS
-        # streams in one pass; then the same choices as below.
+        # Both raw sections at once: gaps and value symbols first, then one joint stream
+        # (nemo_dcr.joint) when neither runs nor planes could be smaller, else their two
+        # rANS streams in one pass and the same choices as below.
         gp = gaps_parts(pos) if gp is None else gp
         vp = value_parts(vals, dt.itemsize)
-        if vp is None:
-            graw, vraw = gp.chunks(encode_rans_chunks(gp.sym, gp.counts)), None
+        joint = None
+        if joint_ok and vp is not None and not _runs_worth_trying(count, gp.zeros):
+            joint = encode_joint(gp, vp, count * dt.itemsize // 2)  # over that, planes are tried
+        if joint is not None:
+            pchoice, vchoice = _frame("gaps_joint", joint[0], cctx), _frame("symbols_joint", joint[1], cctx)
         else:
-            grans, vrans = encode_rans_pair(gp.sym, gp.counts, vp.sym, vp.counts, vp.lut)
-            graw, vraw = gp.chunks(grans), vp.chunks(vrans)
-        pchoice = _best_positions(pos, cctx, (graw, gp.zeros))
-        vchoice = _best_values(vals, dt, cctx, raw=vraw)
+            if vp is None:
+                graw, vraw = gp.chunks(encode_rans_chunks(gp.sym, gp.counts)), None
+            else:
+                grans, vrans = encode_rans_pair(gp.sym, gp.counts, vp.sym, vp.counts, vp.lut)
+                graw, vraw = gp.chunks(grans), vp.chunks(vrans)
+            pchoice = _best_positions(pos, cctx, (graw, gp.zeros))
+            vchoice = _best_values(vals, dt, cctx, raw=vraw)
     else:
         pchoice = _best_positions(pos, cctx)
         vchoice = _best_values(vals, dt, cctx)
@@ -379,11 +399,17 @@ def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor,
     count = pos.size
     raw, adjacent = encode_gaps_rans(pos) if gaps is None else gaps
     best = _frame("gaps_rans", raw, cctx)
-    if count <= _SMALL or (count - 1 - adjacent) < count // 2:  # runs: when mostly adjacent
+    if _runs_worth_trying(count, adjacent):
         runs = _frame("runs", encode_runs(pos), cctx)
         if runs.size <= best.size:
             best = runs
     return best
+
+
+def _runs_worth_trying(count: int, adjacent: int) -> bool:
+    """Whether `runs` might code these positions smaller than their gaps: tiny records,
+    and records whose positions are mostly adjacent to the previous one."""
+    return count <= _SMALL or (count - 1 - adjacent) < count // 2
 
 
 _UNSET: Any = object()
@@ -517,9 +543,11 @@ class _ValuesReader:
     that they can be decoded together with the positions' (`decode_rans_pair`);
     `values` then checks and looks up the rest."""
 
-    __slots__ = ("rd", "m", "dt", "where", "literal", "escape", "table", "stream")
+    __slots__ = ("rd", "m", "dt", "where", "literal", "escape", "table", "stream", "alphabet", "model")
 
-    def __init__(self, raw: bytes | memoryview, m: int, dt: dtypes.DType, where: str):
+    def __init__(self, raw: bytes | memoryview, m: int, dt: dtypes.DType, where: str, joint: bool = False):
+        """joint: a `symbols_joint` section (v5): the symbols' model only, no words (they
+        are the positions section's joint stream): `model` is read, `stream` is None."""
         self.rd = rd = Reader(raw)
         self.m, self.dt, self.where = m, dt, where
         self.literal = literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
@@ -529,13 +557,18 @@ class _ValuesReader:
         self.table = table = rd.take(literal * dt.itemsize, f"{where}: symbols table").view(dt.bits_numpy)
         if literal > 1 and np.any(table[1:] <= table[:-1]):
             raise PositionsError(f"{where}: symbols table not strictly increasing")
-        self.stream = RansStream.read(rd, literal + escape, f"{where}: symbols", np.int16)
+        if joint:
+            self.stream, self.model = None, read_model(rd, literal + escape, f"{where}: symbols")
+            self.alphabet = self.model.size
+        else:
+            self.stream = RansStream.read(rd, literal + escape, f"{where}: symbols", np.int16)
+            self.alphabet, self.model = self.stream.alphabet, None
 
     def values(self, sym: np.ndarray) -> np.ndarray:
         """The m values given the stream's symbols."""
         rd, literal, escape, where, bits = self.rd, self.literal, self.escape, self.where, self.dt.bits_numpy
-        if self.stream.alphabet != literal + escape:
-            raise PositionsError(f"{where}: symbol stream alphabet {self.stream.alphabet} != table {literal} "
+        if self.alphabet != literal + escape:
+            raise PositionsError(f"{where}: symbol stream alphabet {self.alphabet} != table {literal} "
                                  f"+ escape {escape}")
         ext = np.zeros(literal + escape, dtype=bits)
         ext[:literal] = self.table
@@ -679,8 +712,9 @@ def _parse_prefix(mv: memoryview, limits: DecodeLimits) -> tuple[_Version, int, 
     _, number, flags, hlen = _PREFIX.unpack(mv[:PREFIX_BYTES])
     version = _VERSIONS.get(number)
     if version is None:
+        known = [str(v) for v in sorted(_VERSIONS)]
         raise _Bad(f"unsupported format version {number} (this decoder reads "
-                   f"{' and '.join(str(v) for v in sorted(_VERSIONS))})")
+                   f"{', '.join(known[:-1])} and {known[-1]})")
     if flags & ~FLAG_HMAC:
         raise _Bad(f"unknown flag bits 0x{flags & ~FLAG_HMAC:04x}")
     if hlen > limits.max_header_bytes:
@@ -873,6 +907,8 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
     penc = pobj.get("encoding") if isinstance(pobj, dict) else None
     if not isinstance(penc, str) or penc not in _POSITION_KEYS:  # (a list would not even hash)
         raise _Bad(f"{where}: unknown position encoding {penc!r}")
+    if penc in _JOINT and not version.joint:
+        raise _Bad(f"{where}: position encoding {penc!r} needs format version 5")
     pobj = _encoding_fields(pobj, _POSITION_KEYS[penc], f"{where} positions", version)
     psec = None
     raw = 0
@@ -894,7 +930,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
         if penc == "runs":
             # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
             lo, hi = (2, 20 * count) if count else (0, 0)
-        else:  # gaps_rans: at least shift, alphabet, one frequency, word count; at most ~32 bytes a gap
+        else:  # gaps_rans / gaps_joint: at least shift, alphabet, one frequency, word count; ~32 bytes a gap
             lo, hi = (4, 32 * count + 4096) if count else (1, 0)
             decoded += 4 * count
         if not lo <= psec.raw_length <= hi:
@@ -905,6 +941,11 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
     venc = vobj.get("encoding") if isinstance(vobj, dict) else None
     if not isinstance(venc, str) or venc not in _VALUE_KEYS:
         raise _Bad(f"{where}: unknown value encoding {venc!r}")
+    if venc in _JOINT and not version.joint:
+        raise _Bad(f"{where}: value encoding {venc!r} needs format version 5")
+    if (penc == "gaps_joint") != (venc == "symbols_joint"):
+        raise _Bad(f"{where}: 'gaps_joint' positions and 'symbols_joint' values come together "
+                   f"(got {penc!r} / {venc!r})")
     vobj = _encoding_fields(vobj, _VALUE_KEYS[venc], f"{where} values", version)
     width = _int(vobj["width"], f"{where} values width")
     if width != dt.itemsize:
@@ -916,7 +957,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
         if vsec.raw_length != m * width:
             raise _Bad(f"{where}: values section holds {vsec.raw_length} bytes, "
                        f"{m} values x width {width} needs {m * width} (values count != positions count)")
-    else:  # symbols_rans
+    else:  # symbols_rans / symbols_joint (the same bounds: the joint one is smaller)
         if m == 0 or not 4 <= vsec.raw_length <= (width + 24) * m + 16 * VALUE_ALPHABET:
             raise _Bad(f"{where}: values raw size {vsec.raw_length} impossible for {m} symbols")
         decoded += 4 * m
@@ -1014,8 +1055,10 @@ def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompr
         with _AsBad(f"{where} positions"):
             if m.positions_encoding == "runs":
                 pos = decode_runs(raw, m.count, m.numel)
-            else:  # gaps_rans (the header parser admits no other encoding with a section)
-                gaps = GapsReader(raw, m.count)
+            else:  # gaps_rans / gaps_joint (the header parser admits no other encoding with a section)
+                gaps = GapsReader(raw, m.count, joint=m.positions_encoding == "gaps_joint")
+    if m.positions_encoding == "gaps_joint":
+        return _decode_joint(m, body, dctx, where, gaps)
     values = _paired_values(m, body, dctx, where, gaps)
     if values is not None:
         # Both rANS streams in one pass; each stream's errors are raised where the single
@@ -1041,6 +1084,21 @@ def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompr
         pos = np.arange(m.count, dtype=np.uint64)
     if not vals.flags.writeable:
         vals = vals.copy()
+    return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
+
+
+def _decode_joint(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor, where: str,
+                  gaps: GapsReader) -> Record:
+    """A `gaps_joint` / `symbols_joint` record: both sections read up to their models, then
+    the joint stream (in the positions section; its errors are the positions')."""
+    with _AsBad(f"{where} values"):
+        values = _ValuesReader(_section_bytes(body, m.values, f"{where} values", dctx), m.count, m.dtype, where,
+                               joint=True)
+    with _AsBad(f"{where} positions"):
+        qsym, vsym = decode_joint(gaps.model, values.model, gaps.words, m.count)
+        pos = gaps.positions(qsym, m.numel)
+    with _AsBad(f"{where} values"):
+        vals = values.values(vsym)
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
 
 

@@ -1,5 +1,5 @@
 """Compiled single-pass kernels for the trainer hot path and the rANS coder of the wire format
-(introduced in v3, unchanged in v4).
+(introduced in v3; the joint stream of v5).
 
 Everything here is plain Python over numpy arrays, written so that numba can compile it
 (`numba.njit`). With numba installed (a dependency, see pyproject.toml) the kernels run
@@ -881,6 +881,189 @@ def rans_decode2(words1, freq1, cum1, slot2sym1, out1, words2, freq2, cum2, slot
         i += blk
     return (_rans_finish(words1, freq1, cum1, slot2sym1, out1, np.int64(i), np.int64(x0), np.int64(x1), np.int64(p)),
             _rans_finish(words2, freq2, cum2, slot2sym2, out2, np.int64(i), np.int64(y0), np.int64(y1), np.int64(q)))
+
+
+# ------------------------------------------------------------------ joint (v5)
+# One symbol per change for a record's (gap quotient, value symbol) pair: j = q * a2 + v, in
+# one stream of four states (symbol i coded by state i % 4), whose model is the product of
+# the two streams' quantised models (`rans_product_model`): no table of its own on the wire.
+# One coding step per change where the paired streams take two, and four chains in the
+# decoder (two states would leave its chain of table loads exposed).
+
+
+@_jit
+def rans_product_model(f1, f2, freq):
+    """The joint model of two quantised models (each summing to 2**16) into int64 `freq`
+    (size f1.size * f2.size; cell q * f2.size + v): round(f1[q] * f2[v] / 2**16) (halves
+    up), raised to 1 where both are non-zero, the remainder (either sign) to the first
+    largest cell. Returns the number of non-zero cells, or -1 when the largest cell could
+    not take the remainder (never for models that sum to 2**16; checked all the same)."""
+    a2 = f2.size
+    total = 0
+    big = 0
+    top = -1
+    used = 0
+    for q in range(f1.size):
+        for v in range(a2):
+            k = q * a2 + v
+            f = (f1[q] * f2[v] + (PROB_SCALE >> 1)) >> PROB_BITS
+            if f == 0 and f1[q] > 0 and f2[v] > 0:
+                f = 1
+            freq[k] = f
+            total += f
+            used += f > 0
+            if f > top:
+                top = f
+                big = k
+    if used == 0 or freq[big] + PROB_SCALE - total < 1:
+        return -1
+    freq[big] += PROB_SCALE - total
+    return used
+
+
+@_jit
+def joint_excess_bits(f1, f2, c1, c2, freq):
+    """Estimated extra bits of coding counts c1 / c2 (int64, per symbol of models f1 / f2)
+    through the joint model `freq` (`rans_product_model`) instead of as two streams, with
+    the pairs taken as independent: sum over cells of c1[q] * c2[v] / n * (log2 f1[q] *
+    f2[v] / 2**16 - log2 freq[cell]). Small when the cells are few: each cell's rounding."""
+    n = 0
+    for q in range(c1.size):
+        n += c1[q]
+    if n == 0:
+        return 0.0
+    a2 = f2.size
+    out = 0.0
+    for q in range(f1.size):
+        if c1[q] == 0:
+            continue
+        row = 0.0
+        for v in range(a2):
+            if c2[v] == 0:
+                continue
+            f = freq[q * a2 + v]
+            row += c2[v] * (np.log2(f1[q] * f2[v] / PROB_SCALE) - np.log2(f))
+        out += c1[q] * row
+    return out / n
+
+
+@_jit
+def _encode_finish4(x0, x1, x2, x3, out, p):
+    """Store four final states below out[p] (x0 low, x0 high, ... x3 high, in stream
+    order): the index of the stream's first word."""
+    out[p - np.uint64(1)] = np.uint16(x3 >> np.uint64(16))
+    out[p - np.uint64(2)] = np.uint16(x3 & np.uint64(0xFFFF))
+    out[p - np.uint64(3)] = np.uint16(x2 >> np.uint64(16))
+    out[p - np.uint64(4)] = np.uint16(x2 & np.uint64(0xFFFF))
+    return _encode_finish(x0, x1, out, p - np.uint64(4))
+
+
+@_jit
+def _joint_symbol(sym1, sym2, lut2, a2, i):
+    return np.uint64(sym1[i]) * a2 + np.uint64(lut2[sym2[i]])
+
+
+@_jit
+def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
+    """The joint stream of symbols j_i = sym1[i] * a2 + lut2[sym2[i]] (lut2 maps values to
+    their symbols, as in `rans_encode2`): four interleaved states, symbol i coded by state
+    i % 4, in reverse, words written backwards into `out` (size >= len(sym1) + 8). Returns
+    the index of the first word: out[i:] is the eight words of the final states (x0 low,
+    x0 high, ..., x3 high), then the renormalisation words in the order the decoder reads
+    them. freq / cum: the joint model (every coded symbol's frequency in [1, 2**16))."""
+    t = _rans_tables(freq, cum)
+    w = np.uint64(a2)
+    x0 = np.uint64(RANS_L)
+    x1 = np.uint64(RANS_L)
+    x2 = np.uint64(RANS_L)
+    x3 = np.uint64(RANS_L)
+    p = np.uint64(out.size)
+    n = np.uint64(sym1.size)
+    i = n - n % np.uint64(4)
+    # the last n % 4 symbols first (indices i.. n-1, states 0..2), the last one first
+    if n - i > np.uint64(2):
+        x2, p = _encode_step(x2, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(2)), t, out, p)
+    if n - i > np.uint64(1):
+        x1, p = _encode_step(x1, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(1)), t, out, p)
+    if n - i > np.uint64(0):
+        x0, p = _encode_step(x0, _joint_symbol(sym1, sym2, lut2, w, i), t, out, p)
+    while i:
+        i -= np.uint64(4)
+        x3, p = _encode_step(x3, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(3)), t, out, p)
+        x2, p = _encode_step(x2, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(2)), t, out, p)
+        x1, p = _encode_step(x1, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(1)), t, out, p)
+        x0, p = _encode_step(x0, _joint_symbol(sym1, sym2, lut2, w, i), t, out, p)
+    return _encode_finish4(x0, x1, x2, x3, out, p)
+
+
+@_jit
+def _decode_step_joint(x, words, p, freq, cum, slot2sym, q_of, v_of, q, v, k):
+    """`_decode_step` of the joint stream: the symbol's quotient and value symbol go to
+    q[k] / v[k] (looked up in q_of / v_of)."""
+    slot = x & np.uint64(0xFFFF)
+    sym = slot2sym[slot]
+    q[k] = q_of[sym]
+    v[k] = v_of[sym]
+    s = np.uint64(sym)
+    x = np.uint64(freq[s]) * (x >> np.uint64(16)) + slot - np.uint64(cum[s])
+    small = x < np.uint64(RANS_L)
+    w = (x << np.uint64(16)) | np.uint64(words[p])
+    return (w if small else x), p + np.uint64(small)
+
+
+@_jit
+def rans_decode_joint(words, freq, cum, slot2sym, q_of, v_of, q, v):
+    """Decode len(q) symbols of a stream written by `rans_encode_joint` into their
+    quotients q and value symbols v (q_of / v_of: per joint symbol). Returns 0, or -1 bad
+    initial states, -2 the words run out, -3 the stream does not end exactly where the
+    symbols do (all four states back at 2**16, every word read).
+
+    In blocks of 4 symbols (one per state) while 4 words remain, branch-free; the rest one
+    symbol at a time with every check."""
+    nw = words.size
+    if nw < 8:
+        return -1
+    xs = np.empty(4, np.int64)
+    for k in range(4):
+        xs[k] = np.int64(words[2 * k]) | (np.int64(words[2 * k + 1]) << 16)
+        if xs[k] < RANS_L:
+            return -1
+    x0 = np.uint64(xs[0])
+    x1 = np.uint64(xs[1])
+    x2 = np.uint64(xs[2])
+    x3 = np.uint64(xs[3])
+    p = np.uint64(8)
+    i = np.uint64(0)
+    m = np.uint64(q.size)
+    four = np.uint64(4)
+    while i + four <= m and p + four <= np.uint64(nw):
+        x0, p = _decode_step_joint(x0, words, p, freq, cum, slot2sym, q_of, v_of, q, v, i)
+        x1, p = _decode_step_joint(x1, words, p, freq, cum, slot2sym, q_of, v_of, q, v, i + np.uint64(1))
+        x2, p = _decode_step_joint(x2, words, p, freq, cum, slot2sym, q_of, v_of, q, v, i + np.uint64(2))
+        x3, p = _decode_step_joint(x3, words, p, freq, cum, slot2sym, q_of, v_of, q, v, i + np.uint64(3))
+        i += four
+    xs[0] = np.int64(x0)
+    xs[1] = np.int64(x1)
+    xs[2] = np.int64(x2)
+    xs[3] = np.int64(x3)
+    ptr = np.int64(p)
+    for k in range(np.int64(i), q.size):
+        x = xs[k % 4]
+        slot = x & 0xFFFF
+        s = slot2sym[slot]
+        q[k] = q_of[s]
+        v[k] = v_of[s]
+        x = np.int64(freq[s]) * (x >> 16) + slot - cum[s]
+        if x < RANS_L:
+            if ptr >= nw:
+                return -2
+            x = (x << 16) | np.int64(words[ptr])
+            ptr += 1
+        xs[k % 4] = x
+    for k in range(4):
+        if xs[k] != RANS_L:
+            return -3
+    return 0 if ptr == nw else -3
 
 
 # ======================================================================== values

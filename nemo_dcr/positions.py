@@ -1,5 +1,5 @@
 """Position encodings and entropy-coded streams for the wire codec (introduced in format
-v3, unchanged in v4; docs/wire-format.md).
+v3, unchanged in v4 and v5; docs/wire-format.md).
 
 Two position encodings live here: `runs` (below, v1's encoding, kept for records made
 of long runs and for tiny records) and `gaps_rans` (Rice-split gaps whose quotients are
@@ -328,13 +328,13 @@ def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
 def encode_rans_chunks(symbols: np.ndarray, counts: np.ndarray) -> list:
     """`encode_rans` as chunks."""
     counts = np.asarray(counts, dtype=np.int64)
-    table = _rans_table(counts)
+    table = rans_table(counts)
     if isinstance(table, bytes):
         return [table]
     freq, cum = table
     out = np.empty(symbols.size + 4, dtype="<u2")
     start = _k.rans_encode(symbols, freq, cum, out)
-    return _rans_stream(freq, out[start:])
+    return rans_stream_chunks(freq, out[start:])
 
 
 def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, counts2: np.ndarray,
@@ -345,7 +345,7 @@ def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, co
     symbols."""
     counts1 = np.asarray(counts1, dtype=np.int64)
     counts2 = np.asarray(counts2, dtype=np.int64)
-    t1, t2 = _rans_table(counts1), _rans_table(counts2)
+    t1, t2 = rans_table(counts1), rans_table(counts2)
     if isinstance(t1, bytes) or isinstance(t2, bytes) or sym1.size != sym2.size or not _k.HAVE_NUMBA:
         s2 = sym2 if lut2 is None else lut2[sym2]
         return ([t1] if isinstance(t1, bytes) else encode_rans_chunks(sym1, counts1),
@@ -355,10 +355,10 @@ def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, co
     out1 = np.empty(sym1.size + 4, dtype="<u2")
     out2 = np.empty(sym2.size + 4, dtype="<u2")
     s1, s2 = _k.rans_encode2(sym1, t1[0], t1[1], out1, sym2, lut2, t2[0], t2[1], out2)
-    return _rans_stream(t1[0], out1[s1:]), _rans_stream(t2[0], out2[s2:])
+    return rans_stream_chunks(t1[0], out1[s1:]), rans_stream_chunks(t2[0], out2[s2:])
 
 
-def _rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
+def rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
     """(quantised frequencies, their exclusive prefix sums) for int64 counts, or the whole
     stream when at most one symbol occurs (it carries no words)."""
     alphabet = counts.size
@@ -379,9 +379,26 @@ def _rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
     return freq, cum
 
 
-def _rans_stream(freq: np.ndarray, words: np.ndarray) -> list:
+def rans_stream_chunks(freq: np.ndarray, words: np.ndarray) -> list:
     """The stream's chunks: its header, then the words' buffer as it is (not copied)."""
     return [leb128_encode(np.concatenate(([freq.size], freq, [words.size])).astype(_U64)).tobytes(), words]
+
+
+def read_model(r: Reader, max_alphabet: int, what: str) -> np.ndarray:
+    """A stream's model at the reader's cursor (alphabet size, then every quantised
+    frequency), checked: uint64 frequencies, 1 <= alphabet <= max_alphabet, summing to 2**16."""
+    alphabet = r.varint(f"{what} alphabet size", max_alphabet)
+    if alphabet < 1:
+        raise PositionsError(f"{what}: empty alphabet")
+    freq = r.varints(alphabet, f"{what} frequencies")
+    if np.any(freq > _U64(RANS_SCALE)) or int(freq.sum(dtype=_U64)) != RANS_SCALE:
+        raise PositionsError(f"{what}: frequencies do not sum to {RANS_SCALE}")
+    return freq
+
+
+def model_bytes(freq: np.ndarray) -> bytes:
+    """A stream's model as `read_model` reads it."""
+    return leb128_encode(np.concatenate(([freq.size], freq)).astype(_U64)).tobytes()
 
 
 class RansStream:
@@ -394,12 +411,8 @@ class RansStream:
         """Parse and check the stream at the reader's cursor (everything but its symbols)."""
         self = cls()
         self.what, self.dtype = what, np.dtype(out_dtype)
-        self.alphabet = alphabet = r.varint(f"{what} alphabet size", max_alphabet)
-        if alphabet < 1:
-            raise PositionsError(f"{what}: empty alphabet")
-        freq = r.varints(alphabet, f"{what} frequencies")
-        if np.any(freq > _U64(RANS_SCALE)) or int(freq.sum(dtype=_U64)) != RANS_SCALE:
-            raise PositionsError(f"{what}: frequencies do not sum to {RANS_SCALE}")
+        freq = read_model(r, max_alphabet, what)
+        self.alphabet = alphabet = freq.size
         nwords = r.varint(f"{what} word count", r.left // 2)
         nonzero = np.flatnonzero(freq)
         self.only = int(nonzero[0]) if nonzero.size == 1 else None  # a stream of one symbol
@@ -522,20 +535,31 @@ class GapsReader:
     the codec can decode them together with the values' stream (`decode_rans_pair`);
     `positions` then checks and joins the rest."""
 
-    __slots__ = ("rd", "count", "shift", "stream")
+    __slots__ = ("rd", "count", "shift", "stream", "alphabet", "model", "words")
 
-    def __init__(self, raw: bytes | memoryview, count: int):
+    def __init__(self, raw: bytes | memoryview, count: int, joint: bool = False):
+        """joint: a `gaps_joint` section (v5), whose rANS stream is the quotients' model
+        followed by the words of the record's joint stream (`nemo_dcr.joint`): `model`
+        and `words` are read, `stream` is None."""
         if count == 0:
             raise PositionsError("a 'gaps_rans' section needs at least one position")
         self.rd = Reader(raw)
         self.count = count
         self.shift = self.rd.varint("gaps shift", 63)
-        self.stream = RansStream.read(self.rd, _SYMBOL_CAP_POSITIONS, "gaps quotients", np.uint8)
+        if joint:
+            self.stream = None
+            self.model = read_model(self.rd, _SYMBOL_CAP_POSITIONS, "gaps quotients")
+            nwords = self.rd.varint("joint stream word count", self.rd.left // 2)
+            self.words = self.rd.take(2 * nwords, "joint stream words").view("<u2")
+            self.alphabet = self.model.size
+        else:
+            self.stream = RansStream.read(self.rd, _SYMBOL_CAP_POSITIONS, "gaps quotients", np.uint8)
+            self.alphabet, self.model, self.words = self.stream.alphabet, None, None
 
     def positions(self, sym: np.ndarray, numel: int) -> np.ndarray:
         """Positions (uint64) given the stream's `count` symbols."""
         rd, count, r = self.rd, self.count, self.shift
-        esc = _SYMBOL_CAP_POSITIONS - 1 if self.stream.alphabet == _SYMBOL_CAP_POSITIONS else -1
+        esc = _SYMBOL_CAP_POSITIONS - 1 if self.alphabet == _SYMBOL_CAP_POSITIONS else -1
         low = rd.take((count * r + 7) // 8, "gaps low bits")
         nesc = int(np.count_nonzero(sym == esc)) if esc >= 0 else 0
         excess = rd.varints(nesc, "gaps escaped quotients")

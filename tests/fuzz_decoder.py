@@ -59,7 +59,7 @@ KEY = b"fuzz-key"
 HEADER = PayloadHeader("t-fuzz", 4, 5, "p0", "p0-000001")
 EXPECTED = codec.Expected("t-fuzz", 4, 5)
 SHAPES = {"a": ("BF16", (64, 96)), "b": ("F32", (1000,)), "c": ("BF16", (3, 5, 7)), "d": ("I8", (4096,)),
-          "e": ("F8_E4M3", (128, 128))}
+          "e": ("F8_E4M3", (128, 128)), "f": ("BF16", (256, 512))}
 CATALOG = {n: (d, tuple(s)) for n, (d, s) in SHAPES.items()}
 PREFIX = struct.Struct("<4sHHI")
 
@@ -90,13 +90,19 @@ def corpus(seed: int = 0) -> list[tuple[bytes, bytes | None]]:
                 data = codec.encode(Payload(HEADER, recs), key=key)
                 out.append((data, key))
                 if op is Op.XOR:
-                    out.append((as_v3(data, key), key))
+                    out.append((as_v3(codec.encode(Payload(HEADER, recs), key=key, version=4), key), key))
+    # Records of >= 4096 changes: one joint stream (v5), two streams in v4.
+    for op in (Op.XOR, Op.ADD):
+        recs = [_record(rng, "f", op, 0.05)]
+        for key in (None, KEY):
+            out += [(codec.encode(Payload(HEADER, recs), key=key, version=v), key) for v in (5, 4)]
     out.append((codec.encode(Payload(HEADER, []), key=None), None))
     return out
 
 
 def as_v3(data: bytes, key: bytes | None) -> bytes:
-    """A v4 payload as a v3 encoder wrote it: every stored section a zstd frame, a BLAKE2b trailer."""
+    """A v4 payload (no joint streams) as a v3 encoder wrote it: every stored section a zstd
+    frame, a BLAKE2b trailer."""
     _, flags, header, body = _split(data)
     cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
     frames = []

@@ -341,9 +341,9 @@ def test_bad_magic_version_flags():
     e = reject(b"XDCR" + data[4:], "bad magic")
     assert e.payload_id is None
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=5), "unsupported format version 5 (this decoder reads 3 and 4)")
+    reject(rejoin(header, secs, version=6), "unsupported format version 6 (this decoder reads 3, 4 and 5)")
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3 and 4)")
+    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3, 4 and 5)")
     _, header, secs = split(data)
     reject(rejoin(header, secs, version=1), "unsupported format version 1")
     _, header, secs = split(data)
@@ -770,8 +770,9 @@ def test_report_compression_1pct_bf16_ulp(capsys):
         raw = pos.size * (8 + 2)
         lines.append(
             f"[codec report] 1% of {n:,} BF16, +/-1 ULP {op.value}: {len(data):,} B "
-            f"= {len(data) / pos.size:.3f} B/changed elt (positions "
-            f"{r['positions']['length'] / pos.size:.3f}, values {r['values']['length'] / pos.size:.3f}); "
+            f"= {len(data) / pos.size:.3f} B/changed elt (sections {r['positions']['encoding']} "
+            f"{r['positions']['length'] / pos.size:.3f}, {r['values']['encoding']} "
+            f"{r['values']['length'] / pos.size:.3f}); "
             f"raw u64+u16 {raw:,} B ({raw / len(data):.1f}x); dense {2 * n:,} B ({2 * n / len(data):.0f}x)")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
@@ -801,9 +802,14 @@ def encodings(data):
 def test_large_sparse_record_uses_gaps_and_symbols():
     p = payload(ulp_record("w", 200_000, 0.01), ulp_record("v", 200_000, 0.03, op=Op.ADD, seed=1))
     data = encode(p)
-    assert encodings(data) == [("gaps_rans", "symbols_rans"), ("gaps_rans", "symbols_rans")]
+    # the first has fewer changes than _PAIR_MIN (2000): two streams; the second one joint stream
+    assert encodings(data) == [("gaps_rans", "symbols_rans"), ("gaps_joint", "symbols_joint")]
     assert_same(p, decode(data))
     assert len(data) < 1.2 * sum(len(r) for r in p.records) + 1000  # ~1 byte per change, not 10
+    v4 = encode(p, version=4)  # two streams a record, as version 4 coded them
+    assert encodings(v4) == [("gaps_rans", "symbols_rans"), ("gaps_rans", "symbols_rans")]
+    assert_same(p, decode(v4))
+    assert len(v4) * 0.995 < len(data) < len(v4) * 1.005  # the joint model's rounding only
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -886,9 +892,10 @@ def test_value_symbols_escape_and_wide_alphabets():
     rare = rng.integers(1, 2**16, n)
     vals = np.where(rng.random(n) < 0.97, common, rare).astype(np.uint16)  # > VALUE_ALPHABET distinct
     p = payload(Record("s", "BF16", (2 * n,), Op.XOR, np.arange(n, dtype=np.uint64) * 2, vals))
-    data = encode(p)
-    assert encodings(data)[0][1] == "symbols_rans"
-    assert_same(p, decode(data))
+    for version, coded in ((5, "symbols_joint"), (4, "symbols_rans")):
+        data = encode(p, version=version)
+        assert encodings(data)[0][1] == coded
+        assert_same(p, decode(data))
     wide = Record("f", "F64", (n,), Op.XOR, np.arange(n, dtype=np.uint64),
                   rng.integers(1, 300, n).astype(np.uint64) << np.uint64(40))
     roundtrip(payload(wide))
@@ -956,21 +963,24 @@ def test_symbol_stream_limits_checked_before_allocation():
 # -------------------------------------------------------------- v4 stored sections, v3 payloads
 
 
-def rans_payload(key=None) -> tuple[Payload, bytes]:
-    """A rANS-coded record (stored sections in v4) beside sample()'s runs / planes / all records."""
-    p = payload(ulp_record("big", 100_000, 0.03), *decode(sample()).records)
-    return p, encode(p, key=key)
+def rans_payload(key=None, version=FORMAT_VERSION) -> tuple[Payload, bytes]:
+    """A rANS-coded record (stored sections from v4 on; one joint stream in v5) beside
+    sample()'s runs / planes / all records."""
+    p = payload(ulp_record("big", 200_000, 0.03), *decode(sample()).records)
+    return p, encode(p, key=key, version=version)
 
 
-def test_v4_stores_rans_sections_and_compresses_the_others():
-    p, data = rans_payload()
-    assert struct.unpack_from("<H", data, 4)[0] == FORMAT_VERSION == 4
+@pytest.mark.parametrize("version, coded", [(5, ("gaps_joint", "symbols_joint")), (4, ("gaps_rans", "symbols_rans"))])
+def test_rans_sections_are_stored_and_the_others_compressed(version, coded):
+    p, _ = rans_payload()
+    data = encode(p, version=version)
+    assert struct.unpack_from("<H", data, 4)[0] == version and FORMAT_VERSION == 5
     _, h, secs = split(data)
     big, a, b, c = h["records"]
     for part in ("positions", "values"):
         assert big[part]["stored"] is True and big[part]["length"] == big[part]["raw_length"]
         assert not secs[0][part].startswith(b"\x28\xb5\x2f\xfd")  # raw bytes, no zstd frame
-    assert (big["positions"]["encoding"], big["values"]["encoding"]) == ("gaps_rans", "symbols_rans")
+    assert (big["positions"]["encoding"], big["values"]["encoding"]) == coded
     for r, s in zip((a, b, c), secs[1:]):  # runs / planes: one zstd frame each, no "stored" field
         for part in ("positions", "values"):
             assert "stored" not in r[part]
@@ -1062,7 +1072,7 @@ def test_decoding_stored_sections_never_aliases_or_writes_the_input():
 @pytest.mark.parametrize("key", [None, KEY])
 def test_v3_payloads_still_decode(key):
     """Stored histories may hold v3 deltas: zstd frames for every section, a BLAKE2b trailer."""
-    p, data = rans_payload(key)
+    p, data = rans_payload(key, version=4)
     v3 = as_v3(data, key)
     assert struct.unpack_from("<H", v3, 4)[0] == 3 and b'"stored"' not in v3
     end = len(v3) - (HMAC_BYTES if key else 0)
@@ -1074,8 +1084,35 @@ def test_v3_payloads_still_decode(key):
         reject(v3, "HMAC mismatch", key=b"another key")
 
 
-def test_v3_payloads_have_no_stored_sections():
+def test_joint_encodings_need_version_5_and_each_other():
+    """gaps_joint / symbols_joint: only in v5 payloads, and only as a record's pair."""
     _, data = rans_payload()
+    _, h, _ = split(data)
+    assert (h["records"][0]["positions"]["encoding"], h["records"][0]["values"]["encoding"]) == \
+        ("gaps_joint", "symbols_joint")
+    for version in (4, 3):
+        reject(edited(lambda h, s: None, data, version=version),
+               "position encoding 'gaps_joint' needs format version 5")
+
+    def values_alone(h, s):
+        h["records"][0]["positions"]["encoding"] = "gaps_rans"
+    reject(edited(values_alone, data), "'gaps_joint' positions and 'symbols_joint' values come together "
+                                       "(got 'gaps_rans' / 'symbols_joint')")
+    _, v4 = rans_payload(version=4)
+
+    def positions_alone(h, s):
+        h["records"][0]["positions"]["encoding"] = "gaps_joint"
+    reject(edited(positions_alone, v4, version=5), "(got 'gaps_joint' / 'symbols_rans')")
+
+    def swapped(h, s):  # each section parsed as the other kind fails on its own bytes
+        h["records"][0]["positions"]["encoding"] = "gaps_rans"
+        h["records"][0]["values"]["encoding"] = "symbols_rans"
+    with pytest.raises(PayloadRejected, match="record 'big' (positions|values)"):
+        decode(edited(swapped, data))
+
+
+def test_v3_payloads_have_no_stored_sections():
+    _, data = rans_payload(version=4)
     v3 = as_v3(data)
 
     def stored_in_v3(h, s):  # v3 knows no "stored": an unknown field, even with a valid frame

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr import codec, kernels
+from nemo_dcr import codec, joint, kernels
 from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff, diff_arrays
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.placement import AffineMap, Piece
@@ -24,6 +24,7 @@ from nemo_dcr.positions import (
     encode_gaps_rans,
     encode_rans,
     encode_rans_pair,
+    gaps_parts,
     leb128_encode,
     quantize,
 )
@@ -252,7 +253,7 @@ def test_paired_record_decode_rejects_like_the_single_decodes(monkeypatch, part)
     rng = np.random.default_rng(4)
     pos = np.flatnonzero(rng.random(200_000) < 0.03).astype(np.uint64)
     vals = np.where(rng.random(pos.size) < 0.5, 1, 0xFFFF).astype(np.uint16)
-    data = codec.encode(Payload(HDR, [Record("w", "BF16", (200_000,), Op.ADD, pos, vals)]))
+    data = codec.encode(Payload(HDR, [Record("w", "BF16", (200_000,), Op.ADD, pos, vals)]), version=4)
     assert pos.size >= codec._PAIR_MIN and b"symbols_rans" in data and b"gaps_rans" in data
     out = codec.decode(data).records[0]
     np.testing.assert_array_equal(out.positions, pos)
@@ -624,7 +625,8 @@ def test_rans_model_is_quantize_with_prefix_sums(compiled):
 
 def test_raw_streams_are_pinned():
     """The coder's output is part of the wire format: raw (pre-zstd) rANS, gaps_rans and
-    symbols_rans sections of fixed inputs, hashed from the kernels as first released."""
+    symbols_rans sections of fixed inputs, hashed from the kernels as first released (and
+    gaps_joint / symbols_joint from v5's)."""
     import hashlib
 
     i = np.arange(20_001, dtype=np.int64)
@@ -637,17 +639,177 @@ def test_raw_streams_are_pinned():
             "rans_one": encode_rans(sym[:1], np.bincount(sym[:1])),
             "gaps_rans": encode_gaps_rans(pos)[0],
             "symbols_rans": codec.encode_value_symbols(vals, 2)}
+    joint_sections = joint.encode_joint(gaps_parts(pos), codec.value_parts(vals[:pos.size], 2), 1 << 30)
+    raws["gaps_joint"], raws["symbols_joint"] = (b"".join(map(bytes, part)) for part in joint_sections)
     pinned = {"rans_odd": "3c7bd2550b889642385649d35fd218de00cbf3e5a7d09e1c791613be53e35bb6",
               "rans_even": "41e7dc638e7b9d16ca9c672c09764faca674156486ea5ff507c25a0b76c9845d",
               "rans_one": "d3330235ada6123cc60e56311f444b5847c228a6e0f53c0f6903dd37e6335cb2",
               "gaps_rans": "51b46dc42f9ceed696d30643ff46a6188def66d79b9977e8b5c054f52d53bef9",
-              "symbols_rans": "d44b0b015a4ebcfdd001f161d851cef9f40854928dfb308c99793a085c4150e2"}
+              "symbols_rans": "d44b0b015a4ebcfdd001f161d851cef9f40854928dfb308c99793a085c4150e2",
+              "gaps_joint": "c6fe0f1a06c8dbf1325b5f11603fcb09de6ce0ad2a6a52bfb034384b66af5d40",
+              "symbols_joint": "fb6e31c61292aa5b55bb4c267b8fec87c9f088da3af99d258f8e47df992b3285"}
     assert {k: hashlib.sha256(v).hexdigest() for k, v in raws.items()} == pinned
     np.testing.assert_array_equal(decode_gaps_rans(raws["gaps_rans"], pos.size, 1_000_003), pos)
     for key, m in (("rans_odd", sym.size), ("rans_even", sym.size - 1)):
         rd = Reader(raws[key])
         np.testing.assert_array_equal(decode_rans(rd, m, 16, "t")[0], sym[:m])
         rd.done("t")
+
+
+# -------------------------------------------------------------- joint stream (v5)
+
+
+def _product_reference(f1, f2) -> list[int] | None:
+    """rans_product_model in Python integers, as docs/wire-format.md states it (None: the
+    largest cell cannot take the remainder)."""
+    a2 = len(f2)
+    freq = [0] * (len(f1) * a2)
+    for q, x in enumerate(f1):
+        for v, y in enumerate(f2):
+            f = (int(x) * int(y) + (1 << 15)) >> 16
+            freq[q * a2 + v] = 1 if f == 0 and x and y else f
+    big = max(range(len(freq)), key=lambda k: (freq[k], -k))
+    freq[big] += (1 << 16) - sum(freq)
+    return freq if freq[big] >= 1 else None
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_product_model_is_the_rounded_product(compiled):
+    fn = kernels.rans_product_model if compiled else kernels.rans_product_model.py_func
+    rng = np.random.default_rng(5)
+    for a1, a2 in [(2, 2), (3, 17), (64, 12), (256, 12), (1, 5), (40, 400)]:
+        for trial in range(4):
+            c1 = rng.integers(0, 10 ** (trial + 1), a1) * (rng.random(a1) < 0.7)
+            c2 = rng.geometric(0.2, a2) ** 3 * (rng.random(a2) < 0.8)
+            c1[0] += 1
+            c2[-1] += 1
+            c1[-1] += a1 > 1
+            f1, f2 = quantize(c1), quantize(c2) if np.count_nonzero(c2) > 1 else np.eye(a2, dtype=np.int64)[-1] << 16
+            freq = np.empty(a1 * a2, np.int64)
+            used = fn(f1, f2, freq)
+            ref = _product_reference(f1, f2)
+            if ref is None:  # the floors of many cells outweigh the largest: not a model
+                assert used == -1
+                continue
+            assert freq.tolist() == ref
+            assert freq.sum() == 1 << 16 and used == np.count_nonzero(freq)
+            np.testing.assert_array_equal(freq > 0, np.outer(f1 > 0, f2 > 0).ravel())
+
+
+def _joint_case(m: int, seed: int):
+    """Quotients, values, the values' lut and the two models of a joint stream of m symbols."""
+    rng = np.random.default_rng(seed)
+    if m < 64:  # fixed models; the symbols within them
+        f1, f2 = quantize(np.array([3, 0, 1])), quantize(np.array([1, 1, 2]))
+        q = rng.choice([0, 2], m).astype(np.uint8)
+        vsym = rng.integers(0, 3, m)
+    else:
+        q = np.minimum(rng.geometric(0.3, m) - 1, 30).astype(np.uint8)
+        vsym = rng.choice(5, m, p=[0.5, 0.25, 0.15, 0.05, 0.05])
+        f1, f2 = quantize(np.bincount(q, minlength=31)), quantize(np.bincount(vsym, minlength=5))
+    table = np.array([1, 3, 7, 15, 0x8001], np.uint16)[:f2.size]
+    lut = np.full(1 << 16, -1, np.int16)
+    lut[table] = np.arange(table.size, dtype=np.int16)
+    return q, table[vsym], lut, f1, f2
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 8, 9, 4099, 20_001])
+def test_joint_stream_roundtrip(m):
+    """Every m % 4 tail, compiled and as Python (the same words), decoded back."""
+    q, vals, lut, f1, f2 = _joint_case(m, m)
+    freq = np.empty(f1.size * f2.size, np.int64)
+    kernels.rans_product_model(f1, f2, freq)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
+    words = []
+    for enc in (kernels.rans_encode_joint, kernels.rans_encode_joint.py_func):
+        out = np.empty(m + 8, "<u2")
+        words.append(out[enc(q, vals, lut, f2.size, freq, cum, out):].copy())
+    np.testing.assert_array_equal(words[0], words[1])
+    got_q, got_v = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words[0], m)
+    np.testing.assert_array_equal(got_q, q)
+    np.testing.assert_array_equal(got_v, lut[vals])
+    slot2sym = np.repeat(np.arange(freq.size, dtype=np.int16), freq)
+    cell = np.arange(freq.size)
+    qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
+    assert kernels.rans_decode_joint.py_func(words[0], freq, cum, slot2sym, (cell // f2.size).astype(np.uint8),
+                                             (cell % f2.size).astype(np.int16), qq, vv) == 0
+    np.testing.assert_array_equal(qq, q)
+    if m >= 64:  # near the two streams' entropy
+        bits = sum(float((c[c > 0] * np.log2(c.sum() / c[c > 0])).sum())
+                   for c in (np.bincount(q), np.bincount(lut[vals])))
+        assert words[0].size * 16 < bits * 1.01 + 8 * 16
+
+
+def test_joint_stream_rejections():
+    """A damaged joint stream is a PositionsError naming the kernel's reason, every status."""
+    m = 5000
+    q, vals, lut, f1, f2 = _joint_case(m, 1)
+    freq = np.empty(f1.size * f2.size, np.int64)
+    kernels.rans_product_model(f1, f2, freq)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
+    out = np.empty(m + 8, "<u2")
+    words = out[kernels.rans_encode_joint(q, vals, lut, f2.size, freq, cum, out):]
+    f1u, f2u = f1.astype(np.uint64), f2.astype(np.uint64)
+
+    def reason(w, n=m, a=f1u, b=f2u):
+        with pytest.raises(PositionsError) as e:
+            joint.decode_joint(a, b, np.asarray(w, "<u2"), n)
+        return str(e.value)
+    assert "bad initial states" in reason(words[:7])
+    bad = words.copy()
+    bad[3] = 0  # x1 < 2**16
+    assert "bad initial states" in reason(bad)
+    assert "words run out" in reason(words, m + 40)
+    assert "does not end where its symbols do" in reason(np.append(words, 7))
+    assert "does not end where its symbols do" in reason(words, m - 1)
+    flipped = words.copy()
+    flipped[len(words) // 2] ^= 0x100
+    assert "joint rANS stream" in reason(flipped)
+    assert "fewer than two symbols" in reason(words, a=np.array([1 << 16], np.uint64), b=np.array([1 << 16], np.uint64))
+    big = np.ones(2 * joint.MAX_CELLS // 2 + 2, np.uint64)
+    big[0] += (1 << 16) - big.sum()
+    assert "exceed" in reason(words, a=big, b=np.array([1 << 15, 1 << 15], np.uint64))
+
+
+def test_joint_encoder_keeps_two_streams_when_the_product_does_not_pay():
+    """Many distinct values (a product of too many cells) or a one-symbol model: None."""
+    rng = np.random.default_rng(2)
+    pos = np.flatnonzero(rng.random(400_000) < 0.03).astype(np.uint64)
+    gp = gaps_parts(pos)
+    few = codec.value_parts(rng.integers(1, 9, pos.size).astype(np.uint16), 2)
+    assert joint.encode_joint(gp, few, pos.size) is not None
+    assert joint.encode_joint(gp, few, 100) is None  # values over the budget: planes are tried
+    many = codec.value_parts(rng.integers(1, 1000, pos.size).astype(np.uint16), 2)
+    assert gp.counts.size * many.counts.size > joint.MAX_CELLS and joint.encode_joint(gp, many, pos.size) is None
+    one = codec.value_parts(np.full(pos.size, 5, np.uint16), 2)
+    assert joint.encode_joint(gp, one, pos.size) is None
+
+
+@pytest.mark.parametrize("part", ["positions", "values"])
+def test_damaged_joint_sections_are_rejected_cleanly(part):
+    rng = np.random.default_rng(1)
+    pos = np.flatnonzero(rng.random(200_000) < 0.03).astype(np.uint64)
+    vals = rng.integers(1, 9, pos.size).astype(np.uint16)
+    data = codec.encode(Payload(HDR, [Record("w", "BF16", (200_000,), Op.ADD, pos, vals)]))
+    assert b'"gaps_joint"' in data and b'"symbols_joint"' in data
+    codec.decode(_resealed(data, part, lambda b: b))  # resealing alone is accepted
+    reasons = set()
+    for i in range(40):
+        def damage(b, i=i):
+            r = np.random.default_rng(i)
+            if i % 4 == 3:
+                return b[:int(r.integers(0, len(b)))]
+            for _ in range(int(r.integers(1, 4))):
+                b[int(r.integers(0, len(b)))] ^= 1 << int(r.integers(0, 8))
+            return b
+        try:
+            out = codec.decode(_resealed(data, part, damage)).records[0]
+        except PayloadRejected as e:
+            assert "'w'" in e.reason and not e.reason.startswith("malformed payload ("), e.reason
+            reasons.add(e.reason.split(":")[1].strip()[:20])
+            continue
+        assert out.positions.size == pos.size  # a flip that still decodes: a valid record
+    assert len(reasons) >= 3
 
 
 # -------------------------------------------------------------- same bits without numba
@@ -657,12 +819,14 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     """Every kernel run as plain Python (numba absent) encodes exactly the same payload."""
     rng = np.random.default_rng(11)
     recs = []
-    for i, (n, rate) in enumerate([(3000, 0.02), (2000, 0.4), (500, 1.0), (4000, 0.005), (20000, 0.3)]):
+    for i, (n, rate) in enumerate([(3000, 0.02), (2000, 0.4), (500, 1.0), (4000, 0.005), (20000, 0.3),
+                                   (200_000, 0.03)]):
         pos = np.flatnonzero(rng.random(n) < rate).astype(np.uint64)
         vals = rng.integers(1, 9, pos.size).astype(np.uint16)
         recs.append(Record(f"w{i}", "BF16", (n,), Op.ADD if i % 2 else Op.XOR, pos, vals))
     p = Payload(HDR, recs)
     compiled = codec.encode(p)
+    assert b'"gaps_joint"' in compiled and b'"gaps_rans"' in compiled  # w5 (6000 changes): one joint stream
     a = np.arange(5000, dtype=np.int16)
     b = a.copy()
     b[::7] += 1
@@ -672,7 +836,8 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     placed_compiled = piece.canonical_index(local)
     for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
                  "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
-                 "histogram_lines", "rice_shift", "map_symbols", "lookup"):
+                 "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
+                 "joint_excess_bits", "rans_encode_joint", "rans_decode_joint"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):

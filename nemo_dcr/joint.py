@@ -1,0 +1,101 @@
+"""A record's positions and values as one rANS stream (wire format v5: `gaps_joint` /
+`symbols_joint`; docs/wire-format.md).
+
+`gaps_rans` and `symbols_rans` code one symbol per change each, the gap's Rice quotient q
+and the value's table symbol v, in two streams: two coding steps per change. Here the
+pair is one symbol, j = q * A2 + v (A2 the values' alphabet), in one stream of four
+interleaved states (`kernels.rans_encode_joint`): one step per change, and four chains
+for the decoder to overlap. Its model is not sent: it is the product of the two streams'
+quantised models (`kernels.rans_product_model`), which the sections carry as they would
+(the quotients' in the positions section, the values' in the values section). So the
+wire pays only the product model's rounding, estimated before coding
+(`kernels.joint_excess_bits`) and bounded by `MAX_EXCESS`; a record whose product has too
+many cells, or whose rounding would cost more, keeps the two streams.
+
+Sections (everything else as in `gaps_rans` / `symbols_rans`):
+
+    gaps_joint     varint r | quotients' model (A1, A1 frequencies) | varint W |
+                   W u16 words of the joint stream | low bits | escapes
+    symbols_joint  varint L | varint E | table | values' model (A2 = L + E, A2
+                   frequencies) | escaped values
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels as _k
+from .positions import GapsParts, PositionsError, model_bytes, rans_stream_chunks, rans_table
+
+# Cells (A1 * A2) a joint model may have: its tables stay small (the encoder's 32 bytes a
+# cell, the decoder's 16), and a product over more cells than this rounds too coarsely
+# to pay (every occurring cell takes at least 1 of the 2**16 slots).
+MAX_CELLS = 1 << 14
+# The product model's estimated extra bits, as a fraction of the two streams' bits, up to
+# which the encoder takes the joint stream (measured: 0.06-0.09% on +-1-ULP refits).
+MAX_EXCESS = 0.002
+
+
+def _model_bits(counts: np.ndarray, freq: np.ndarray) -> float:
+    """Bits of coding symbols with these counts by this model (16 - log2 f each)."""
+    c = np.asarray(counts, dtype=np.float64)
+    used = c > 0
+    return float((c[used] * (_k.PROB_BITS - np.log2(freq[used]))).sum())
+
+
+def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | None:
+    """(positions section, values section) of a record as chunks, the joint stream in the
+    former; None when the record should keep two streams: a model of one symbol, more
+    than MAX_CELLS cells, a product model estimated to cost more than MAX_EXCESS, or
+    values that would take more than `value_budget` bytes (where the codec would try byte
+    planes). gp / vp: the record's `positions.gaps_parts` / `codec.value_parts`."""
+    c1 = np.asarray(gp.counts, dtype=np.int64)
+    c2 = np.asarray(vp.counts, dtype=np.int64)
+    t1, t2 = rans_table(c1), rans_table(c2)
+    if isinstance(t1, bytes) or isinstance(t2, bytes):
+        return None
+    (f1, _), (f2, _) = t1, t2
+    cells = f1.size * f2.size
+    if cells > MAX_CELLS:
+        return None
+    bits2 = _model_bits(c2, f2)
+    if bits2 / 8 + len(vp.head) + len(vp.tail) > value_budget:
+        return None
+    freq = np.empty(cells, np.int64)
+    if _k.rans_product_model(f1, f2, freq) < 2:
+        return None
+    if _k.joint_excess_bits(f1, f2, c1, c2, freq) > MAX_EXCESS * (_model_bits(c1, f1) + bits2):
+        return None
+    cum = np.zeros(cells, np.int64)
+    np.cumsum(freq[:-1], out=cum[1:])
+    lut = vp.lut if vp.lut is not None else np.arange(f2.size, dtype=np.int32)
+    out = np.empty(gp.sym.size + 8, dtype="<u2")
+    start = _k.rans_encode_joint(gp.sym, vp.sym, lut, f2.size, freq, cum, out)
+    return gp.chunks(rans_stream_chunks(f1, out[start:])), vp.chunks([model_bytes(f2)])
+
+
+def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(m quotients as uint8, m value symbols as int16) of a joint stream, given the two
+    models as read (`positions.read_model`, checked) and the stream's words. Raises
+    PositionsError for a stream that is not one."""
+    cells = f1.size * f2.size
+    if cells > MAX_CELLS:
+        raise PositionsError(f"joint stream: {f1.size} x {f2.size} symbols exceed {MAX_CELLS}")
+    f1 = f1.astype(np.int64)
+    f2 = f2.astype(np.int64)
+    freq = np.empty(cells, np.int64)
+    if _k.rans_product_model(f1, f2, freq) < 2:
+        raise PositionsError("joint stream: its model has fewer than two symbols")
+    cum = np.zeros(cells, np.int64)
+    np.cumsum(freq[:-1], out=cum[1:])
+    slot2sym = np.repeat(np.arange(cells, dtype=np.int16), freq)
+    cell = np.arange(cells)
+    q_of, v_of = (cell // f2.size).astype(np.uint8), (cell % f2.size).astype(np.int16)
+    q = np.empty(m, np.uint8)
+    v = np.empty(m, np.int16)
+    status = _k.rans_decode_joint(words, freq, cum, slot2sym, q_of, v_of, q, v)
+    if status:
+        why = {-1: "bad initial states", -2: "words run out",
+               -3: "stream does not end where its symbols do"}.get(status, "corrupt")
+        raise PositionsError(f"corrupt joint rANS stream ({why})")
+    return q, v
