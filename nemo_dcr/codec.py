@@ -1,10 +1,10 @@
-"""Wire codec, format v4: `Payload` <-> bytes. The full spec is docs/wire-format.md.
+"""Wire codec, format v5: `Payload` <-> bytes. The full spec is docs/wire-format.md.
 
 Byte layout (all integers little-endian):
 
     offset          size   field
     0               4      magic b"NDCR"
-    4               2      u16 format version (= 4)
+    4               2      u16 format version (= 5)
     6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
     8               4      u32 header length H
     12              H      header: JSON, UTF-8, sorted keys, no whitespace
@@ -22,12 +22,15 @@ and compresses the others.
 Encodings: positions `gaps_rans` (entropy-coded gaps: rANS-coded Rice quotients plus
 raw low bits), `runs` (v1's run varints), `all`, `dense` (xor/add values at every element,
 zeros dropped on decode); values `symbols_rans` (a rANS-coded table of distinct values
-plus escapes) or `planes` (v1's byte planes). The encoder picks, per record, whichever is
-smallest on the wire; the decoded `Record` does not depend on that choice. v2's
-constriction-coded `gaps` / `symbols` are not part of v3 or v4: they are unknown encodings.
+plus escapes) or `planes` (v1's byte planes); and, from v5, `gaps_joint` + `symbols_joint`
+(the same sections with the quotients and value symbols in one rANS stream, one symbol
+per change: `nemo_dcr.joint`). The encoder picks, per record, whichever is smallest on
+the wire (the joint stream by an estimate of what it adds); the decoded `Record` does not
+depend on that choice. v2's constriction-coded `gaps` / `symbols` are unknown encodings.
 
-`decode` also reads format v3 (stored delta histories may hold it): the same layout with a
-BLAKE2b-128 trailer and every non-empty section a zstd frame ("stored" is unknown there).
+`decode` also reads formats v4 (the same without the joint encodings; `encode(version=4)`
+writes it) and v3 (stored delta histories may hold it): v4's layout with a BLAKE2b-128
+trailer and every non-empty section a zstd frame ("stored" is unknown there).
 
 `decode` validates everything - framing, checksum, HMAC, header schema, sizes, limits,
 every position and value - before it returns, so a receiver can reject a payload
@@ -635,7 +638,7 @@ def decode(
     expected: Expected | None = None,
     limits: DecodeLimits = DecodeLimits(),
 ) -> Payload:
-    """Validate and decode a payload (format v4 or v3); raise PayloadRejected(payload_id, reason) if bad.
+    """Validate and decode a payload (format v5, v4 or v3); raise PayloadRejected(payload_id, reason) if bad.
 
     key: when given the payload must carry a valid HMAC; a signed payload is also
          rejected when no key is given (it cannot be verified).
