@@ -64,6 +64,8 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     freq = np.empty(cells, np.int64)
     if _k.rans_product_model(f1, f2, freq) < 2:
         return None
+    # A float estimate: a record on the threshold's very edge could go either way between
+    # builds (compiled or not); both decode to the same record.
     if _k.joint_excess_bits(f1, f2, c1, c2, freq) > MAX_EXCESS * (_model_bits(c1, f1) + bits2):
         return None
     cum = np.zeros(cells, np.int64)

@@ -812,7 +812,13 @@ def _decode_step(x, words, p, freq, cum, slot2sym, out, k):
     slot = x & np.uint64(0xFFFF)
     sym = slot2sym[slot]
     out[k] = sym
-    s = np.uint64(sym)
+    return _decode_next(x, slot, np.uint64(sym), words, p, freq, cum)
+
+
+@_jit
+def _decode_next(x, slot, s, words, p, freq, cum):
+    """The state after decoding symbol s (whose slot range holds `slot`) from state x,
+    renormalised branch-free from words[p]: (the new state, the new p)."""
     x = np.uint64(freq[s]) * (x >> np.uint64(16)) + slot - np.uint64(cum[s])
     small = x < np.uint64(RANS_L)
     w = (x << np.uint64(16)) | np.uint64(words[p])
@@ -1004,11 +1010,7 @@ def _decode_step_joint(x, words, p, freq, cum, slot2sym, q_of, v_of, q, v, k):
     sym = slot2sym[slot]
     q[k] = q_of[sym]
     v[k] = v_of[sym]
-    s = np.uint64(sym)
-    x = np.uint64(freq[s]) * (x >> np.uint64(16)) + slot - np.uint64(cum[s])
-    small = x < np.uint64(RANS_L)
-    w = (x << np.uint64(16)) | np.uint64(words[p])
-    return (w if small else x), p + np.uint64(small)
+    return _decode_next(x, slot, np.uint64(sym), words, p, freq, cum)
 
 
 @_jit

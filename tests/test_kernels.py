@@ -246,6 +246,18 @@ def test_rans_pair_decode_gives_the_two_single_decodes():
     assert {0, -1, -2, -3} <= statuses
 
 
+def _random_damage(seed: int):
+    """A damage for `_resealed`: seed % 4 == 3 truncates the section, the others flip 1-3 bits."""
+    def damage(b):
+        r = np.random.default_rng(seed)
+        if seed % 4 == 3:
+            return b[:int(r.integers(0, len(b)))]
+        for _ in range(int(r.integers(1, 4))):
+            b[int(r.integers(0, len(b)))] ^= 1 << int(r.integers(0, 8))
+        return b
+    return damage
+
+
 @pytest.mark.parametrize("part", ["positions", "values"])
 def test_paired_record_decode_rejects_like_the_single_decodes(monkeypatch, part):
     """A record decoded with its two rANS streams in one pass is rejected with the same
@@ -260,14 +272,7 @@ def test_paired_record_decode_rejects_like_the_single_decodes(monkeypatch, part)
     np.testing.assert_array_equal(out.values, vals)
     reasons = []
     for i in range(60):
-        def damage(b, i=i):
-            r = np.random.default_rng(i)
-            if i % 4 == 3:
-                return b[:int(r.integers(0, len(b)))]
-            for _ in range(int(r.integers(1, 4))):
-                b[int(r.integers(0, len(b)))] ^= 1 << int(r.integers(0, 8))
-            return b
-        bad = _resealed(data, part, damage)
+        bad = _resealed(data, part, _random_damage(i))
         got = []
         for pair_min in (codec._PAIR_MIN, 1 << 62):
             monkeypatch.setattr(codec, "_PAIR_MIN", pair_min)
@@ -785,25 +790,23 @@ def test_joint_encoder_keeps_two_streams_when_the_product_does_not_pay():
     assert joint.encode_joint(gp, one, pos.size) is None
 
 
+def _add_payload(n: int) -> tuple[np.ndarray, bytes]:
+    """The positions and the encoded payload of an add record "w": 3% of n elements, values 1-8."""
+    rng = np.random.default_rng(1)
+    pos = np.flatnonzero(rng.random(n) < 0.03).astype(np.uint64)
+    vals = rng.integers(1, 9, pos.size).astype(np.uint16)
+    return pos, codec.encode(Payload(HDR, [Record("w", "BF16", (n,), Op.ADD, pos, vals)]))
+
+
 @pytest.mark.parametrize("part", ["positions", "values"])
 def test_damaged_joint_sections_are_rejected_cleanly(part):
-    rng = np.random.default_rng(1)
-    pos = np.flatnonzero(rng.random(200_000) < 0.03).astype(np.uint64)
-    vals = rng.integers(1, 9, pos.size).astype(np.uint16)
-    data = codec.encode(Payload(HDR, [Record("w", "BF16", (200_000,), Op.ADD, pos, vals)]))
+    pos, data = _add_payload(200_000)
     assert b'"gaps_joint"' in data and b'"symbols_joint"' in data
     codec.decode(_resealed(data, part, lambda b: b))  # resealing alone is accepted
     reasons = set()
     for i in range(40):
-        def damage(b, i=i):
-            r = np.random.default_rng(i)
-            if i % 4 == 3:
-                return b[:int(r.integers(0, len(b)))]
-            for _ in range(int(r.integers(1, 4))):
-                b[int(r.integers(0, len(b)))] ^= 1 << int(r.integers(0, 8))
-            return b
         try:
-            out = codec.decode(_resealed(data, part, damage)).records[0]
+            out = codec.decode(_resealed(data, part, _random_damage(i))).records[0]
         except PayloadRejected as e:
             assert "'w'" in e.reason and not e.reason.startswith("malformed payload ("), e.reason
             reasons.add(e.reason.split(":")[1].strip()[:20])
@@ -949,10 +952,7 @@ def _resealed(data: bytes, part: str, damage) -> bytes:
 
 @pytest.mark.parametrize("part", ["positions", "values"])
 def test_damaged_rans_sections_are_rejected_cleanly(part):
-    rng = np.random.default_rng(1)
-    pos = np.flatnonzero(rng.random(50_000) < 0.03).astype(np.uint64)
-    vals = rng.integers(1, 9, pos.size).astype(np.uint16)
-    data = codec.encode(Payload(HDR, [Record("w", "BF16", (50_000,), Op.ADD, pos, vals)]))
+    _, data = _add_payload(50_000)
     assert "gaps_rans" in data.decode("latin-1") and "symbols_rans" in data.decode("latin-1")
     codec.decode(_resealed(data, part, lambda b: b))  # resealing alone is accepted
     damages = [lambda b: b[:len(b) // 2], lambda b: b + b"\0\1", lambda b: b[:3] + bytes([b[3] ^ 0x40]) + b[4:],
