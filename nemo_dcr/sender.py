@@ -244,6 +244,7 @@ class Producer:
         zstd_level: int = 1,
         params: dict[str, torch.Tensor] | None = None,
         encode_threads: int = 0,
+        wire_version: int = codec.FORMAT_VERSION,
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
@@ -254,11 +255,17 @@ class Producer:
         itself before it diffs on. Either way the payloads and their bytes are the same,
         and they are sent from this thread, in order. With threads, the process should keep
         freed memory (`nemo_dcr.malloc.keep_freed_memory`): glibc's per-thread arenas
-        otherwise fault in fresh pages for every payload (docs/design-notes.md)."""
+        otherwise fault in fresh pages for every payload (docs/design-notes.md).
+        `wire_version`: the format the payloads (and anchors) are written in: 5, or 4 while
+        some receivers still run a release that reads only 4 (docs/wire-format.md)."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
             raise ValueError(f"encode_threads must be an int >= 0, got {encode_threads!r}")
+        if type(wire_version) is not int or wire_version not in (4, 5):
+            raise ValueError(f"wire_version must be 4 or 5 (the formats payloads can be written in), "
+                             f"got {wire_version!r}")
+        self.wire_version = wire_version
         self.encode_threads = encode_threads
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
         self.op = AUTO if op == AUTO else Op(op)
@@ -331,7 +338,8 @@ class Producer:
             if pid not in skip:
                 header = PayloadHeader(transfer.transfer_id, transfer.base_version, transfer.target_version,
                                        self.id, pid)
-                data = codec.encode(Payload(header, records), key=self.key, level=self.level)
+                data = codec.encode(Payload(header, records), key=self.key, level=self.level,
+                                    version=self.wire_version)
             return data, digests, time.perf_counter() - t - digest_s, digest_s
 
         def finish(pid: str, data: bytes | None, digests: dict, encode_s: float, digest_s: float) -> None:
@@ -502,7 +510,8 @@ class Producer:
         def emit():
             pid = f"{self.id}-{len(ids):06d}"
             header = PayloadHeader(tid, version, version, self.id, pid)
-            put(pid, codec.encode(Payload(header, builder.take(self.specs)), key=self.key, level=self.level))
+            put(pid, codec.encode(Payload(header, builder.take(self.specs)), key=self.key, level=self.level,
+                                  version=self.wire_version))
             ids[pid] = tid
 
         def place_all(key: str, amap: AffineMap, offset: int) -> None:

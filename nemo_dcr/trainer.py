@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.baseline import Baseline, fingerprint
+from nemo_dcr.codec import FORMAT_VERSION
 from nemo_dcr.commit import Coordinator, Decision
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.errors import ConverterError, TransferFailed
@@ -118,7 +119,8 @@ class TrainerRefit:
 
     `max_attempts`: tries of one transfer before it is aborted (the retries are in place:
     what receivers finished stays, the rest is re-sent as overwrites). `log`: a callable
-    taking one line, told about each failed attempt.
+    taking one line, told about each failed attempt. `wire_version`: the wire format of
+    the payloads and anchors (5; 4 while some receivers run a release that reads only 4).
 
     `history` (a directory, "s3" for the s3 transport's bucket, or a `nemo_dcr.history.
     History`): after each commit the version's payloads are stored there as its delta,
@@ -144,6 +146,7 @@ class TrainerRefit:
         key: bytes | None = None,
         max_payload_elements: int = 1 << 20,
         encode_threads: int = 0,
+        wire_version: int = FORMAT_VERSION,
         baseline_dir: str | None = None,
         timeout_s: float = 300.0,
         params: dict[str, torch.Tensor] | None = None,
@@ -203,7 +206,7 @@ class TrainerRefit:
         try:  # computes the residual baselines: a residual that cannot run fails every rank, not one
             self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
                                      op=op, key=key, max_payload_elements=max_payload_elements, params=params,
-                                     encode_threads=encode_threads)
+                                     encode_threads=encode_threads, wire_version=wire_version)
         except (ConverterError, ValueError, KeyError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)

@@ -100,6 +100,16 @@ def test_all_problems_at_once_and_transport_specific_rules():
     assert from_generation_config(local).transport_config == {"dir": "/dev/shm/job"}
 
 
+def test_wire_version_reaches_the_trainer(monkeypatch):
+    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
+    assert from_generation_config(example_generation()).trainer_kwargs()["wire_version"] == 5
+    assert from_generation_config(with_dcr(wire_version=4)).trainer_kwargs()["wire_version"] == 4
+    for bad in (3, "4", True):
+        with pytest.raises(ConfigError, match=rf"{P}.wire_version must be 4 or 5 \(the wire formats payloads can "
+                                              rf"be written in\), got {bad!r}"):
+            from_generation_config(with_dcr(wire_version=bad))
+
+
 def test_encode_threads_reach_the_trainer(monkeypatch):
     monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
     assert from_generation_config(example_generation()).trainer_kwargs()["encode_threads"] == 0

@@ -70,6 +70,7 @@ class DCRSettings:
     timeout_s: float = 300.0
     max_payload_elements: int = 1 << 20
     encode_threads: int = 0  # per trainer rank: threads that encode payloads while the rank diffs on
+    wire_version: int = 5  # the wire format payloads are written in (4: for receivers not yet reading 5)
     metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
     max_attempts: int = 1  # tries of one transfer (retries are in place, as overwrites); see docs/nemo-rl.md
     readback: bool = False  # receivers read applied regions back; checked before the commit
@@ -93,6 +94,7 @@ class DCRSettings:
         """Keyword arguments for `nemo_dcr.trainer.TrainerRefit` (besides what the worker knows)."""
         return {"state_dir": self.state_dir, "op": self.op, "key": self.key(), "timeout_s": self.timeout_s,
                 "max_payload_elements": self.max_payload_elements, "encode_threads": self.encode_threads,
+                "wire_version": self.wire_version,
                 "baseline_dir": self.baseline_dir if self.baseline_storage == "mmap" else None,
                 "max_attempts": self.max_attempts, "readback": self.readback, "history": self.history,
                 "anchor_every": self.anchor_every, "keep_anchors": self.keep_anchors}
@@ -122,7 +124,7 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     checker = _Checker(problems)
     known = {"transport", "converter", "converter_options", "op", "state_dir", "baseline", "key_env", "verify",
              "timeout_s", "max_payload_elements", "encode_threads", "metrics_port", "max_attempts", "readback",
-             "history",
+             "history", "wire_version",
              *registry.available("nemo_dcr.transports")}
     for unknown in sorted(set(cfg) - known):
         problems.append(f"{PATH}.{unknown}: unknown field (known: {', '.join(sorted(known))})")
@@ -172,6 +174,11 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
     max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
     encode_threads = checker.integer(cfg, "encode_threads", 0, low=0)
+    wire_version = cfg.get("wire_version", 5)
+    if isinstance(wire_version, bool) or wire_version not in (4, 5):
+        problems.append(f"{PATH}.wire_version must be 4 or 5 (the wire formats payloads can be written in), "
+                        f"got {wire_version!r}")
+        wire_version = 5
     metrics_port = cfg.get("metrics_port")
     if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
                                      or not 1 <= metrics_port <= 65535):
@@ -198,7 +205,8 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
                        converter_options=dict(options), op=Op(op), state_dir=state_dir, baseline_storage=storage,
                        baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
-                       max_payload_elements=max_payload, encode_threads=encode_threads, metrics_port=metrics_port,
+                       max_payload_elements=max_payload, encode_threads=encode_threads, wire_version=wire_version,
+                       metrics_port=metrics_port,
                        max_attempts=max_attempts, readback=readback, history=store, anchor_every=anchor_every,
                        keep_anchors=keep_anchors)
 
