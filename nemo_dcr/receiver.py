@@ -285,17 +285,18 @@ class Receiver:
         t = time.perf_counter()
         applied = []
         try:
-            for pid in todo:  # journal: started -> apply (all or nothing per call) -> finished
-                records = [rec for rec in cur.staged.pop(pid).records if rec.name in self.held]
-                lin.started.add(pid)
-                try:
-                    undo = self.runtime.apply(records)
-                except Exception as e:  # noqa: BLE001 - the adapter decides what its failure left behind
-                    if isinstance(e, ApplyError) and not e.bits_unknown:
-                        lin.started.discard(pid)  # the adapter put every bit back: not applied, not uncertain
-                    return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
-                lin.finished[pid] = undo  # the undo log keeps what revert needs
-                applied.append((pid, records))
+            with self.runtime.batch():  # the pause: nothing else touches the runtime until it ends
+                for pid in todo:  # journal: started -> apply (all or nothing per call) -> finished
+                    records = [rec for rec in cur.staged.pop(pid).records if rec.name in self.held]
+                    lin.started.add(pid)
+                    try:
+                        undo = self.runtime.apply(records)
+                    except Exception as e:  # noqa: BLE001 - the adapter decides what its failure left behind
+                        if isinstance(e, ApplyError) and not e.bits_unknown:
+                            lin.started.discard(pid)  # the adapter put every bit back: not applied, not uncertain
+                        return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
+                    lin.finished[pid] = undo  # the undo log keeps what revert needs
+                    applied.append((pid, records))
         finally:
             cur.apply_s = time.perf_counter() - t
         if cur.info.readback and self.readback_scope != "none":

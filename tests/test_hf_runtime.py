@@ -170,6 +170,37 @@ def test_plans_are_kept_until_the_storage_changes(checkpoints, monkeypatch):
     assert_bits(rt, v3)
 
 
+def test_a_batch_checks_the_layout_once(checkpoints, monkeypatch):
+    """Inside `batch()` (a receiver's pause) the layout walk runs once for every apply and
+    revert, with the bits of the same calls outside one; after it each call checks again,
+    and a parameter rebound between batches replans."""
+    rt = receiver(checkpoints, "llama")
+    walks, real = [], rt._layout
+    monkeypatch.setattr(rt, "_layout", lambda: (walks.append(1), real())[1])
+    versions = [bits(rt)]
+    for seed in (11, 12, 13):
+        versions.append(perturb(versions[-1], seed=seed))
+    steps = [records_for(rt, a, b, op) for a, b, op in zip(versions, versions[1:], (Op.XOR, Op.ADD, Op.OVERWRITE))]
+    with rt.batch():
+        logs = [rt.apply(recs) for recs in steps]
+        assert_bits(rt, versions[-1])
+        rt.revert(logs[-1])
+        assert_bits(rt, versions[-2])
+    assert len(walks) == 1
+    rt.apply(steps[-1])
+    rt.revert(rt.apply(records_for(rt, versions[-1], versions[-2], Op.XOR)))
+    assert len(walks) == 1 + 3  # outside a batch: every apply and revert
+    assert_bits(rt, versions[-1])
+    param = dict(rt.model.named_parameters())[steps[0][0].name]
+    param.data = param.data.clone()  # rebound between batches: the next batch sees it
+    loads, load = [], rt._load
+    monkeypatch.setattr(rt, "_load", lambda tensors: (loads.append(1), load(tensors))[1])
+    with rt.batch():
+        rt.apply(records_for(rt, versions[-1], versions[0], Op.XOR))
+    assert loads
+    assert_bits(rt, versions[0])
+
+
 @pytest.mark.parametrize("family,expert", [
     ("qwen3_moe", "model.layers.1.mlp.experts.{e}.{p}_proj.weight"),
     ("mixtral", "model.layers.1.block_sparse_moe.experts.{e}.{p}.weight"),

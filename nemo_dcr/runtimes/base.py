@@ -8,6 +8,7 @@ adapter drives and intercepts (see `nemo_dcr.runtimes.intercept`).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,14 @@ class RuntimeAdapter(ABC):
 
         Writes nothing.
         """
+
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        """A context for a run of `apply` (and `revert`) calls that nothing else touches
+        the runtime between (a receiver's pause): an adapter may check once, for all of
+        them, what it otherwise checks on every call (that the model's storage and loaders
+        are still those its plans were made for). Each call keeps its own all-or-nothing
+        contract. Default: nothing shared."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def apply(self, records: Sequence[Record]) -> UndoLog:

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -257,6 +257,11 @@ class VLLMRuntime(NativeLoaderAdapter):
         if isinstance(step, _Restore):
             self._touched.update(storage_key(dst) for dst, _ in step.items)
         return step
+
+    def batch(self):
+        # No layout shared across calls: the post-load processing after every apply may
+        # rebind a layer's parameters (kernel formats), which the next call must see.
+        return nullcontext()
 
     def apply(self, records: Sequence[Record]) -> UndoLog:
         self._touched: set[int] = set()
