@@ -51,13 +51,13 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     planes). gp / vp: the record's `positions.gaps_parts` / `codec.value_parts`."""
     c1 = np.asarray(gp.counts, dtype=np.int64)
     c2 = np.asarray(vp.counts, dtype=np.int64)
+    cells = c1.size * c2.size  # the models have the counts' sizes: decided before they are made
+    if cells > MAX_CELLS:
+        return None
     t1, t2 = rans_table(c1), rans_table(c2)
     if isinstance(t1, bytes) or isinstance(t2, bytes):
         return None
     (f1, _), (f2, _) = t1, t2
-    cells = f1.size * f2.size
-    if cells > MAX_CELLS:
-        return None
     bits2 = _model_bits(c2, f2)
     if bits2 / 8 + len(vp.head) + len(vp.tail) > value_budget:
         return None

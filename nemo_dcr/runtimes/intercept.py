@@ -317,6 +317,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     """
 
     full_coverage = True  # the loader must consume every element of a tensor it loads
+    _batch_layout: tuple | None = None  # while a `batch()` is open: the layout, checked once
     scratch_device: str | torch.device | None = None  # None: the tensor's own device
 
     # -- to implement -------------------------------------------------------------
@@ -395,24 +396,23 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         # The refresh and the layout (a walk over every module: ~2 ms on a 1B model, and a
         # receiver applies one payload per call, 16-27 a refit end to end), once a batch.
         self._refresh()
-        self._batch_layout = None
-        self._in_batch = True
+        self._batch_layout = self._layout()
         try:
             yield
         finally:
-            self._in_batch, self._batch_layout = False, None
+            self._batch_layout = None
 
     def _layout_checked(self) -> tuple:
-        """`_layout()`, computed once per `batch`, or on every call outside one."""
-        if not getattr(self, "_in_batch", False):
-            return self._layout()
+        """`_layout()`: the batch's, or computed anew outside one."""
+        return self._layout() if self._batch_layout is None else self._batch_layout
+
+    def _refresh_outside_batch(self) -> None:
+        """`_refresh()` unless a batch is open (nothing can have moved since it opened)."""
         if self._batch_layout is None:
-            self._batch_layout = self._layout()
-        return self._batch_layout
+            self._refresh()
 
     def _prepare(self, records: list[Record]) -> dict[str, _Plan]:
-        if not getattr(self, "_in_batch", False):
-            self._refresh()  # parameters may have moved or been replaced since the last call
+        self._refresh_outside_batch()  # parameters may have moved or been replaced since the last call
         if torch.__future__.get_swap_module_params_on_conversion():
             raise ApplyError("torch swap_module_params_on_conversion is on: loads would replace storage")
         catalog = self.catalog()
@@ -728,8 +728,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         return restore
 
     def _undo(self, steps: list, plans: dict[str, _Plan] | None = None) -> None:
-        if not getattr(self, "_in_batch", False):
-            self._refresh()
+        self._refresh_outside_batch()
         if plans is None:
             plans = self._plan({s.name for s in steps if isinstance(s, (Record, _Inverse)) and len(s)})
         for step in reversed(steps):
