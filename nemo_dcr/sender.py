@@ -65,7 +65,7 @@ class _PayloadBuilder:
     (for each record's expected post-apply digest: `_Batch.records`)."""
 
     def __init__(self, track_new: bool = False, arena: _Arena | None = None):
-        # op "auto": values are (xor, add) pairs; take() keeps the smaller per record.
+        # op "auto": values are (add, new bits) pairs; take() keeps add or computes xor per record.
         # Each part: (positions, values, new bits or None, positions known strictly increasing).
         self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None, bool]]] = {}
         self.elements = 0
@@ -114,8 +114,9 @@ class _Batch:
             pos = cat([p for p, _, _, _ in parts],
                       np.uint32 if all(p.dtype == np.uint32 for p, _, _, _ in parts) else np.uint64)
             if op == AUTO:
-                op = _choose_op_sampled([v for _, v, _, _ in parts])
-                val = cat([v[0] if op is Op.XOR else v[1] for _, v, _, _ in parts])
+                pairs = [v for _, v, _, _ in parts]
+                op = _choose_op_sampled(pairs)
+                val = cat([a for a, _ in pairs]) if op is Op.ADD else _xor_of(pairs, arena)
             else:
                 val = cat([v for _, v, _, _ in parts])
             new = cat([n for _, _, n, _ in parts]) if self.track_new else None
@@ -133,11 +134,13 @@ class _Batch:
 
 
 def _part_bytes(parts: list) -> int:
-    """Arena bytes one record's concatenations take at most (positions, values, new bits)."""
+    """Arena bytes one record's concatenations take at most (positions, values, new bits;
+    op "auto": add, new bits and the xor computed from them)."""
     first = parts[0]
-    values = first[1][0] if isinstance(first[1], tuple) else first[1]
-    per = 8 + values.itemsize + (first[2].itemsize if first[2] is not None else 0)  # positions as uint64
-    return sum(p[0].size for p in parts) * per + 3 * _Arena.ALIGN
+    auto = isinstance(first[1], tuple)
+    values = (3 if auto else 1) * (first[1][0] if auto else first[1]).itemsize
+    per = 8 + values + (first[2].itemsize if first[2] is not None else 0)  # positions as uint64
+    return sum(p[0].size for p in parts) * per + 5 * _Arena.ALIGN
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
@@ -167,6 +170,17 @@ class _Arena:
             self.buf = np.empty(max(nbytes, self.buf.size + self.buf.size // 4), np.uint8)
         return self
 
+    def empty(self, n: int, dtype) -> np.ndarray:
+        """n uninitialised elements of `dtype` from the arena."""
+        dtype = np.dtype(dtype)
+        start = -(-self.used // self.ALIGN) * self.ALIGN
+        end = start + n * dtype.itemsize
+        if end > self.buf.size:  # a larger buffer; arrays handed out keep the old one alive
+            self.reset(end - start)
+            start, end = 0, end - start
+        self.used = end
+        return self.buf[start:end].view(dtype)
+
     def concatenate(self, arrays: list[np.ndarray], dtype=None) -> np.ndarray:
         """np.concatenate(arrays) into the arena, as `dtype` (default: the arrays'); one
         array already of that dtype is itself, and arrays of it that lie end to end in one
@@ -177,15 +191,8 @@ class _Arena:
         joined = _end_to_end(arrays, dtype)
         if joined is not None:
             return joined
-        n = sum(a.size for a in arrays)
-        start = -(-self.used // self.ALIGN) * self.ALIGN
-        end = start + n * dtype.itemsize
-        if end > self.buf.size:  # a larger buffer; arrays handed out keep the old one alive
-            self.reset(end - start)
-            start, end = 0, end - start
-        self.used = end
         # unsafe: int64 positions (never negative) go to uint64 as astype() would take them
-        return np.concatenate(arrays, out=self.buf[start:end].view(dtype), casting="unsafe")
+        return np.concatenate(arrays, out=self.empty(sum(a.size for a in arrays), dtype), casting="unsafe")
 
 
 def _end_to_end(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
@@ -205,17 +212,28 @@ def _end_to_end(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
-# choice only affects the size, and two full histograms cost ~1.5 ns per change each.
-_CHOICE_SAMPLE = 1 << 14
+# choice only affects the size, and two full histograms cost ~1.5 ns per change each. On
+# real AdamW deltas (benchmarks/codec.py's model, three learning rates) samples of 2**11
+# to 2**14 values chose as the full histograms did for every tensor.
+_CHOICE_SAMPLE = 1 << 12
 
 
 def _choose_op_sampled(pairs: list[tuple[np.ndarray, np.ndarray]]) -> Op:
-    """codec.choose_op on an even sample (every k-th value) of the (xor, add) value pairs."""
-    total = sum(x.size for x, _ in pairs)
+    """codec.choose_op on an even sample (every k-th value) of the (add, new bits) pairs."""
+    total = sum(a.size for a, _ in pairs)
     step = max(1, total // _CHOICE_SAMPLE)
-    xs = _cat([x[::step] for x, _ in pairs])
-    ad = _cat([a[::step] for _, a in pairs])
-    return codec.choose_op(xs, ad, xs.dtype.itemsize)
+    ad = _cat([a[::step] for a, _ in pairs])
+    new = _cat([n[::step] for _, n in pairs])
+    return codec.choose_op(new ^ (new - ad), ad, ad.dtype.itemsize)  # xor = new ^ old, old = new - add
+
+
+def _xor_of(pairs: list[tuple[np.ndarray, np.ndarray]], arena: _Arena) -> np.ndarray:
+    """The xor values (new ^ old, old = new - add) of the (add, new bits) pairs, in the arena."""
+    add = arena.concatenate([a for a, _ in pairs])
+    new = arena.concatenate([n for _, n in pairs])
+    out = arena.empty(add.size, add.dtype)
+    np.subtract(new, add, out=out)
+    return np.bitwise_xor(new, out, out=out)
 
 
 def _increasing(parts: list, pos: np.ndarray) -> bool:
@@ -430,7 +448,7 @@ class Producer:
                     self.baseline.stage(key, torch.from_numpy(positions), torch.from_numpy(new_bits))
                     new = _bits_view(new_bits)
                     if op == AUTO:
-                        both = (_bits_view(vals[0]), _bits_view(vals[1]))
+                        both = (_bits_view(vals[0]), new)
                     else:
                         values = new if op == Op.OVERWRITE else _bits_view(vals[0])
                 else:
@@ -442,7 +460,7 @@ class Producer:
                     positions_h, new_h = positions_t.cpu(), delta.new.cpu()  # to the host once each
                     self.baseline.stage(key, positions_h, new_h, on_device=(positions_t, delta.new))
                     if op == AUTO:
-                        both = (_unsigned(delta.xor()), _unsigned(delta.add()))
+                        both = (_unsigned(delta.add()), _bits_view(new_h.numpy()))
                     else:
                         pick = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: new_h}[op]
                         values = _unsigned(pick())
@@ -595,7 +613,9 @@ class _Slots:
 
 
 # diff_arrays values per operation: what the records carry (overwrite: the new bits)
-_DIFF_VALUES = {Op.XOR: ("xor",), Op.ADD: ("add",), Op.OVERWRITE: (), AUTO: ("xor", "add")}
+# op "auto": the add values (what the choice keeps in practice: +-1 ULP steps and AdamW
+# deltas alike) and the new bits, from which the rarer xor records are computed.
+_DIFF_VALUES = {Op.XOR: ("xor",), Op.ADD: ("add",), Op.OVERWRITE: (), AUTO: ("add",)}
 # Elements per diff chunk on a GPU: each chunk costs a few synchronising copies (nonzero,
 # then the changes to the host), so chunks are larger there; a chunk's mask is one byte
 # per element, small beside the weights.

@@ -2,6 +2,7 @@
 even sample of the values when a record is large - and every record still bit-exact."""
 
 import numpy as np
+import pytest
 import torch
 
 from nemo_dcr import codec, sender
@@ -58,7 +59,11 @@ def _one_bit(bits, rng):
     return bits
 
 
-def test_auto_picks_add_for_ulp_steps_and_xor_for_bit_flips_on_a_sample():
+@pytest.mark.parametrize("compiled_diff", [True, False], ids=["compiled-diff", "torch-diff"])
+def test_auto_picks_add_for_ulp_steps_and_xor_for_bit_flips_on_a_sample(monkeypatch, compiled_diff):
+    # The diff keeps the add values and the new bits; xor records are computed from them.
+    if not compiled_diff:  # the torch ops a GPU producer runs, here on the host
+        monkeypatch.setattr(sender, "_compiled_diff", lambda current, committed: False)
     n = 3 * sender._CHOICE_SAMPLE * 20  # each record holds ~3x the sample: the choice is sampled
     for change, want in ((_one_ulp, Op.ADD), (_one_bit, Op.XOR)):
         old, new, records = _refit(n, change)
@@ -70,7 +75,21 @@ def test_auto_picks_add_for_ulp_steps_and_xor_for_bit_flips_on_a_sample():
 
 def test_sampled_choice_matches_the_exact_one_on_small_records():
     rng = np.random.default_rng(1)
-    x = rng.choice(np.array([1, 3, 7], np.uint16), 1000)
-    a = rng.choice(np.array([1, 0xFFFF], np.uint16), 1000)
-    for xv, av in ((x, a), (a, x)):
-        assert sender._choose_op_sampled([(xv[:400], av[:400]), (xv[400:], av[400:])]) is codec.choose_op(xv, av, 2)
+    old = rng.integers(0, 1 << 16, 1000, dtype=np.uint16)
+    ulp = old + rng.choice(np.array([1, 0xFFFF], np.uint16), 1000)  # add: 2 values, xor: many
+    flip = old ^ rng.choice(np.array([1, 2, 4], np.uint16), 1000)  # xor: 3 values, add: more
+    for new, want in ((ulp, Op.ADD), (flip, Op.XOR)):
+        add = new - old
+        pairs = [(add[:400], new[:400]), (add[400:], new[400:])]  # (add, new bits), as the producer keeps them
+        assert codec.choose_op(new ^ old, add, 2) is want
+        assert sender._choose_op_sampled(pairs) is want
+
+
+def test_xor_of_add_and_new_bits():
+    rng = np.random.default_rng(2)
+    old = rng.integers(0, 1 << 16, 3000, dtype=np.uint16)
+    new = rng.integers(0, 1 << 16, 3000, dtype=np.uint16)
+    add = new - old
+    pairs = [(add[:1000], new[:1000]), (add[1000:1001], new[1000:1001]), (add[1001:], new[1001:])]
+    arena = sender._Arena().reset(1 << 10)  # smaller than needed: the arena grows
+    np.testing.assert_array_equal(sender._xor_of(pairs, arena), new ^ old)
