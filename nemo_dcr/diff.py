@@ -5,7 +5,7 @@ pattern compare by their stored bits. Runs on whatever device the tensors are on
 
 CPU fast path with numba (`diff_arrays`, the producer's path; `diff` and
 `_diff_compiled` use it too): one compiled pass writes the positions, the new bits and
-the values the records carry (xor and/or add, or the committed bits) into preallocated
+the values the records carry (xor, add or the committed bits) into preallocated
 buffers, keeping only the changed elements (with a `DiffOutput`, the chunks of one range
 end to end in the same buffers). 16-bit inputs (BF16, F16) on an AVX-512 host
 take `kernels.diff16`: 128 elements per block, four 512-bit compares, and compress-stores
@@ -110,7 +110,7 @@ def _diff_compiled(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 _MODES = {("old",): kernels.DIFF_OLD, ("xor",): kernels.DIFF_XOR, ("add",): kernels.DIFF_ADD,
-          ("xor", "add"): kernels.DIFF_XOR_ADD, (): kernels.DIFF_NONE}
+          (): kernels.DIFF_NONE}
 
 
 class DiffOutput:
@@ -142,28 +142,24 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     compiled pass (requires numba).
 
     Returns (positions int64 + `base`, new bits, [one array per entry of `values`]), where
-    `values` is one of (), ("old",), ("xor",), ("add",), ("xor", "add"): the committed
-    bits, new ^ old, and new - old wrapping around (two's complement, on the bit view).
+    `values` is one of (), ("old",), ("xor",), ("add",): the committed bits, new ^ old,
+    or new - old wrapping around (two's complement, on the bit view).
     Every array has a's dtype except the positions. `narrow`: int32 positions from the
     16-bit scan when base + len(a) < 2**31 (half its position compress-stores; callers
     widen them where they copy anyway). 16-bit inputs on an AVX-512 host take
-    `kernels.diff16` (the scan itself writes the values, but for "add" beside "xor");
-    others the word scan `kernels.diff_words` plus one vectorised pass per value array.
+    `kernels.diff16` (the scan itself writes the values); others the word scan
+    `kernels.diff_words` plus one vectorised pass per value array.
     `out`: the 16-bit scan writes there, after what earlier calls wrote (see DiffOutput)."""
     if values not in _MODES:
         raise ValueError(f"unsupported values {values!r}")
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     size = a.size
     if kernels.HAVE_VECTOR_DIFF and a.itemsize == 2:
-        # xor and add: the scan writes the xor only; add = new - (new ^ xor) is one cheap
-        # pass over the changes afterwards (a fifth compress-store per 32 elements costs more).
-        both = values == ("xor", "add")
-        scan_values = ("xor",) if both else values
-        nv = len(scan_values)
         # Positions with `base` added by the scan itself; int32 ones (narrow) take two
         # compresses per 32 elements where int64 ones take four.
         pdt = np.int32 if narrow and base + size < (1 << 31) else np.int64
         kind = (np.dtype(pdt),) + (a.dtype,) * (1 + len(values))
+        mode = _MODES[values]
         bufs, start = out.take(kind, size) if out is not None else (None, 0)
         # Room for ~1 change in 16 elements (grown when short); with `out`, for the rest of the range.
         cap = max(1024, (size + (out.left if out is not None else 0)) >> 4)
@@ -172,8 +168,7 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
         empty = np.empty(0, a.dtype)
 
         def call(i, n):
-            v = bufs[2:2 + nv] + [empty] * (2 - nv)
-            return kernels.diff16(a, b, i, base, bufs[0], bufs[1], v[0], v[1], _MODES[scan_values], n)
+            return kernels.diff16(a, b, i, base, bufs[0], bufs[1], bufs[2] if values else empty, mode, n)
 
         def grow(n, room):
             """This chunk's slots so far [start, n) at the front of new buffers with `room` more."""
@@ -191,12 +186,10 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
                 if n + t.size > bufs[0].size:
                     n = grow(n, t.size)
                 x, y = a[i:][t], b[i:][t]
-                for buf, u in zip(bufs, [t + (base + i), x] + [_values_of(x, y, k) for k in scan_values]):
+                for buf, u in zip(bufs, [t + (base + i), x] + [_values_of(x, y, k) for k in values]):
                     buf[n:n + t.size] = u
                 n += t.size
         res = [x[start:n] for x in bufs]
-        if both:  # new - old, wrapping, into its own buffer
-            np.subtract(res[1], np.bitwise_xor(res[1], res[2]), out=res[3])
         if out is not None:
             out.bufs, out.fill = bufs, n
     else:

@@ -107,9 +107,8 @@ def diff_words(a, b, aw, bw, per, w0, pos, new, old, n0):
 
 
 # Values a 16-bit diff can write beside the new bits: DIFF_OLD (committed bits),
-# DIFF_XOR (new ^ old), DIFF_ADD (new - old, wrapping), DIFF_XOR_ADD (both),
-# DIFF_NONE (only positions and new bits).
-DIFF_OLD, DIFF_XOR, DIFF_ADD, DIFF_XOR_ADD, DIFF_NONE = 0, 1, 2, 3, 4
+# DIFF_XOR (new ^ old), DIFF_ADD (new - old, wrapping), DIFF_NONE (only positions and new bits).
+DIFF_OLD, DIFF_XOR, DIFF_ADD, DIFF_NONE = 0, 1, 2, 3
 DIFF_BLOCK = 128  # elements per block of `diff16`
 _LANES = 32  # 16-bit elements per 512-bit vector
 
@@ -127,49 +126,43 @@ def _vmask32(a, b, i):
     return int(np.packbits(a[i:i + _LANES] != b[i:i + _LANES], bitorder="little").view("<u4")[0])
 
 
-def _vstep_py(a, b, i, base, pos, new, v1, v2, n, k1, k2):
+def _vstep_py(a, b, i, base, pos, new, v, n, kind):
     x = a[i:i + _LANES]
     y = b[i:i + _LANES]
     hit = np.flatnonzero(x != y)
     m = n + hit.size
     pos[n:m] = hit + (base + i)
     new[n:m] = x[hit]
-    if k1:
-        v1[n:m] = _value_py(x[hit], y[hit], k1)
-    if k2:
-        v2[n:m] = _value_py(x[hit], y[hit], k2)
+    if kind:
+        v[n:m] = _value_py(x[hit], y[hit], kind)
     return m
 
 
-def _vstep_old(a, b, i, mask, base, pos, new, v1, v2, n):
-    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "old", "")
+def _vstep_old(a, b, i, mask, base, pos, new, v, n):
+    return _vstep_py(a, b, i, base, pos, new, v, n, "old")
 
 
-def _vstep_xor(a, b, i, mask, base, pos, new, v1, v2, n):
-    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "xor", "")
+def _vstep_xor(a, b, i, mask, base, pos, new, v, n):
+    return _vstep_py(a, b, i, base, pos, new, v, n, "xor")
 
 
-def _vstep_add(a, b, i, mask, base, pos, new, v1, v2, n):
-    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "add", "")
+def _vstep_add(a, b, i, mask, base, pos, new, v, n):
+    return _vstep_py(a, b, i, base, pos, new, v, n, "add")
 
 
-def _vstep_xor_add(a, b, i, mask, base, pos, new, v1, v2, n):
-    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "xor", "add")
-
-
-def _vstep_none(a, b, i, mask, base, pos, new, v1, v2, n):
-    return _vstep_py(a, b, i, base, pos, new, v1, v2, n, "", "")
+def _vstep_none(a, b, i, mask, base, pos, new, v, n):
+    return _vstep_py(a, b, i, base, pos, new, v, n, "")
 
 
 @_jit
-def diff16(a, b, i0, base, pos, new, v1, v2, mode, n0):
+def diff16(a, b, i0, base, pos, new, v, mode, n0):
     """Diff of 16-bit arrays a (new) / b (committed) in blocks of 128 elements, from element
     i0 (a multiple of 128) up to the last whole block; the caller diffs the tail.
 
     For every element that differs, in order, writes base + index into `pos` (int64, or
     int32 when base + len(a) < 2**31), its new bits into `new` and, by `mode` (DIFF_*),
-    its committed bits, xor and/or wrapping difference into v1 / v2 (arrays of a's dtype;
-    unused ones may be empty), from slot n0. Slots past the last one written may be
+    its committed bits, xor or wrapping difference into v (an array of a's dtype; empty
+    for DIFF_NONE), from slot n0. Slots past the last one written may be
     overwritten too (up to a block beyond it): the buffers need DIFF_BLOCK slots of room.
 
     Compiled, a block costs four 32-lane compares (512-bit loads of both inputs) and one
@@ -193,15 +186,13 @@ def diff16(a, b, i0, base, pos, new, v1, v2, mode, n0):
                 j = i + k * _LANES
                 m = masks[k]
                 if mode == DIFF_XOR:
-                    n = _vstep_xor(a, b, j, m, base, pos, new, v1, v2, n)
-                elif mode == DIFF_XOR_ADD:
-                    n = _vstep_xor_add(a, b, j, m, base, pos, new, v1, v2, n)
+                    n = _vstep_xor(a, b, j, m, base, pos, new, v, n)
                 elif mode == DIFF_ADD:
-                    n = _vstep_add(a, b, j, m, base, pos, new, v1, v2, n)
+                    n = _vstep_add(a, b, j, m, base, pos, new, v, n)
                 elif mode == DIFF_OLD:
-                    n = _vstep_old(a, b, j, m, base, pos, new, v1, v2, n)
+                    n = _vstep_old(a, b, j, m, base, pos, new, v, n)
                 else:
-                    n = _vstep_none(a, b, j, m, base, pos, new, v1, v2, n)
+                    n = _vstep_none(a, b, j, m, base, pos, new, v, n)
         i += DIFF_BLOCK
     return n, i
 
@@ -1185,17 +1176,17 @@ if _numba is not None:
 
         return sig, codegen
 
-    def _make_vstep(k1, k2):
+    def _make_vstep(kind):
         @_intrinsic
-        def vstep(typingctx, a, b, i, mask, base, pos, new, v1, v2, n):
-            if (not all(_is16(t) for t in (a, b, new, v1, v2)) or not isinstance(pos, _nt.Array)
+        def vstep(typingctx, a, b, i, mask, base, pos, new, v, n):
+            if (not all(_is16(t) for t in (a, b, new, v)) or not isinstance(pos, _nt.Array)
                     or not isinstance(pos.dtype, _nt.Integer) or pos.dtype.bitwidth not in (32, 64)):
                 return None
-            sig = _nt.int64(a, b, _nt.int64, _nt.uint32, _nt.int64, pos, new, v1, v2, _nt.int64)
+            sig = _nt.int64(a, b, _nt.int64, _nt.uint32, _nt.int64, pos, new, v, _nt.int64)
 
             def codegen(context, builder, signature, args):
-                ta, tb, _, _, _, tpos, tnew, tv1, tv2, _ = signature.args
-                a_, b_, i_, mask_, base_, pos_, new_, v1_, v2_, n_ = args
+                ta, tb, _, _, _, tpos, tnew, tv, _ = signature.args
+                a_, b_, i_, mask_, base_, pos_, new_, v_, n_ = args
                 i16, i64 = _ir.IntType(16), _ir.IntType(64)
                 ipos = _ir.IntType(tpos.dtype.bitwidth)  # int32 positions: half the compress-stores
                 v16, vpos = _ir.VectorType(i16, _LANES), _ir.VectorType(ipos, _LANES)
@@ -1219,11 +1210,10 @@ if _numba is not None:
                 va = builder.load(builder.bitcast(_data(context, builder, ta, a_, i_), v16.as_pointer()), align=2)
                 vb = builder.load(builder.bitcast(_data(context, builder, tb, b_, i_), v16.as_pointer()), align=2)
                 compress_store(va, _data(context, builder, tnew, new_, n_))
-                for kind, ty, arr in ((k1, tv1, v1_), (k2, tv2, v2_)):
-                    if kind:
-                        val = {"old": lambda: vb, "xor": lambda: builder.xor(va, vb),
-                               "add": lambda: builder.sub(va, vb)}[kind]()
-                        compress_store(val, _data(context, builder, ty, arr, n_))
+                if kind:
+                    val = {"old": lambda: vb, "xor": lambda: builder.xor(va, vb),
+                           "add": lambda: builder.sub(va, vb)}[kind]()
+                    compress_store(val, _data(context, builder, tv, v_, n_))
                 start = builder.add(base_, i_)
                 if ipos.width < 64:
                     start = builder.trunc(start, ipos)
@@ -1259,16 +1249,15 @@ if _numba is not None:
     def _ol_vmask32(a, b, i):
         return lambda a, b, i: _vmask32_intr(a, b, i)
 
-    def _register_vstep(pyfunc, k1, k2):
-        intr = _make_vstep(k1, k2)
+    def _register_vstep(pyfunc, kind):
+        intr = _make_vstep(kind)
 
         @_overload(pyfunc, jit_options={"nogil": True})
-        def _ol(a, b, i, mask, base, pos, new, v1, v2, n):
-            return lambda a, b, i, mask, base, pos, new, v1, v2, n: intr(a, b, i, mask, base, pos, new, v1, v2, n)
+        def _ol(a, b, i, mask, base, pos, new, v, n):
+            return lambda a, b, i, mask, base, pos, new, v, n: intr(a, b, i, mask, base, pos, new, v, n)
 
-    for _f, _k1, _k2 in ((_vstep_old, "old", ""), (_vstep_xor, "xor", ""), (_vstep_add, "add", ""),
-                         (_vstep_xor_add, "xor", "add"), (_vstep_none, "", "")):
-        _register_vstep(_f, _k1, _k2)
+    for _f, _kind in ((_vstep_old, "old"), (_vstep_xor, "xor"), (_vstep_add, "add"), (_vstep_none, "")):
+        _register_vstep(_f, _kind)
 
     @_intrinsic
     def _mulhi_intr(typingctx, a, b):
