@@ -84,8 +84,10 @@ def cmd_receive(args) -> int:
     receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True),
                         history=open_history(args.history, transport))
     params = sum(p.numel() for p in model.parameters())
+    copied = (f", {runtime.privatized_bytes / 1e9:.2f} GB copied out of the checkpoint's memory map"
+              if runtime.privatized_bytes else "")
     print(f"[{args.id}] serving version 0 from {args.checkpoint} "
-          f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s; freed memory "
+          f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s{copied}; freed memory "
           f"{'kept for the next refit' if kept else 'returned to the OS'})", flush=True)
     try:
         receiver.serve_forever()

@@ -30,6 +30,7 @@ from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes.base import Catalog
 from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, module_fingerprint, module_storages, storage_key
+from nemo_dcr.runtimes.private_memory import privatize
 
 
 @dataclass(frozen=True)
@@ -113,11 +114,15 @@ class HFRuntime(NativeLoaderAdapter):
     left out (see `ignored`).
     scratch_device: where the loader's scratch tensors live; default the tensor's own
     device, "meta" to spend no memory on them.
+    Tensors that still lie in a memory-mapped checkpoint (how `from_pretrained` leaves a
+    CPU model) are first copied into memory of their own (`private_memory.privatize`;
+    `privatized_bytes` says how much): applied bits must not follow the file on disk.
     """
 
     def __init__(self, model: torch.nn.Module, checkpoint_dir: str | os.PathLike | None = None,
                  scratch_device: str | torch.device | None = None):
         self.model = model
+        self.privatized_bytes = privatize(model)
         self.scratch_device = scratch_device
         self._live: dict[str, torch.Tensor] = {}
         self._names, unresolved = checkpoint_views(model)
