@@ -84,3 +84,22 @@ def test_hf_runtime_serves_its_own_bits_whatever_happens_to_the_checkpoint(tmp_p
     want = before[name].view(-1).view(torch.int16)
     assert int(got[0]) == int(want[0]) ^ 1 and int(got[5]) == int(want[5]) ^ -0x8000
     assert torch.equal(got[6:], want[6:])
+
+
+def test_tensor_store_holds_the_given_tensors_in_memory_of_their_own(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from nemo_dcr.runtimes.store import TensorStoreRuntime
+
+    path = tmp_path / "store.safetensors"
+    save_file({"w": torch.arange(1 << 15, dtype=torch.int16).view(torch.bfloat16),
+               "s": torch.ones(64, dtype=torch.float32)}, path)
+    tensors = load_file(path)  # memory-mapped, as safetensors loads them
+    assert all(_in_a_file(t) for t in tensors.values())
+    rt = TensorStoreRuntime(tensors)
+    assert rt.privatized_bytes >= (1 << 16) + 256 and not any(_in_a_file(t) for t in tensors.values())
+    _scribble(path, 0, os.path.getsize(path))
+    np.testing.assert_array_equal(rt.canonical_state()["w"].view(torch.int16).numpy(),
+                                  np.arange(1 << 15, dtype=np.int16))
+    rt.apply([Record("w", "BF16", (1 << 15,), Op.XOR, np.array([3], np.uint64), np.array([0x10], np.uint16))])
+    assert int(tensors["w"].view(torch.int16)[3]) == 3 ^ 0x10  # held, not copied: the caller's tensor changed

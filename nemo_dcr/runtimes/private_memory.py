@@ -9,7 +9,9 @@ receiver that applies refits in place cannot serve from such memory:
   truncated makes reading them a SIGBUS;
 - every page's first write is a fault that copies it: 535K faults, ~2.2 s, spread over
   the first refits of the 1.07B end-to-end model on the reference VM.
-`privatize` copies such tensors once, at start-up (`HFRuntime` calls it).
+`privatize` copies such tensors once, at start-up (`HFRuntime` calls it; `TensorStoreRuntime`
+calls `privatize_tensors` on the tensors it is given, e.g. by `safetensors.torch.load_file`,
+which maps them the same way).
 """
 
 from __future__ import annotations
@@ -51,35 +53,52 @@ def _in_a_file(ptr: int, nbytes: int, ranges: list[tuple[int, int]]) -> bool:
     return False
 
 
-def privatize(module: torch.nn.Module) -> int:
-    """Give every CPU parameter and buffer of `module` that lies in a file mapping memory
-    of its own, in place: each storage is copied once, tensors that shared one share the
-    copy (tied weights stay tied; parameters stay the same objects). Where the mappings
-    cannot be read, every CPU storage is copied. Returns the bytes copied."""
-    ranges = mapped_file_ranges()
-    fresh: dict[int, torch.UntypedStorage] = {}  # old storage address -> its copy
-    copied = 0
+class _Copies:
+    """Copies of file-backed storages, one per storage, made as tensors ask for them."""
 
-    def own(t: torch.Tensor) -> torch.Tensor | None:
-        """`t` as a view of its storage's copy, or None where it needs none."""
-        nonlocal copied
+    def __init__(self):
+        self.ranges = mapped_file_ranges()
+        self.fresh: dict[int, torch.UntypedStorage] = {}  # old storage address -> its copy
+        self.copied = 0
+
+    def view(self, t: torch.Tensor) -> torch.Tensor | None:
+        """`t` as a view of its storage's copy, or None where it needs none (not on the
+        CPU, or not in a file; where the mappings cannot be read, every CPU storage is)."""
         if t.device.type != "cpu" or t.is_meta:
             return None
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or (ranges is not None and not _in_a_file(ptr, nbytes, ranges)):
+        if nbytes == 0 or (self.ranges is not None and not _in_a_file(ptr, nbytes, self.ranges)):
             return None
-        if ptr not in fresh:
-            fresh[ptr] = storage.clone()
-            copied += nbytes
-        return torch.empty(0, dtype=t.dtype).set_(fresh[ptr], t.storage_offset(), t.size(), t.stride())
+        if ptr not in self.fresh:
+            self.fresh[ptr] = storage.clone()
+            self.copied += nbytes
+        return torch.empty(0, dtype=t.dtype).set_(self.fresh[ptr], t.storage_offset(), t.size(), t.stride())
 
+
+def privatize(module: torch.nn.Module) -> int:
+    """Give every CPU parameter and buffer of `module` that lies in a file mapping memory
+    of its own, in place: each storage is copied once, tensors that shared one share the
+    copy (tied weights stay tied; parameters stay the same objects). Returns the bytes
+    copied."""
+    copies = _Copies()
     with torch.no_grad():
         for m in module.modules():
-            for name, p in m._parameters.items():
-                if p is not None and (view := own(p.data)) is not None:
+            for p in m._parameters.values():
+                if p is not None and (view := copies.view(p.data)) is not None:
                     p.data = view
             for name, b in m._buffers.items():
-                if b is not None and (view := own(b)) is not None:
+                if b is not None and (view := copies.view(b)) is not None:
                     m._buffers[name] = view
-    return copied
+    return copies.copied
+
+
+def privatize_tensors(tensors) -> int:
+    """`privatize` for plain tensors: each one in a file mapping is pointed, in place (the
+    same tensor objects), at a copy of its storage. Returns the bytes copied."""
+    copies = _Copies()
+    with torch.no_grad():
+        for t in tensors:
+            if (view := copies.view(t)) is not None:
+                t.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+    return copies.copied

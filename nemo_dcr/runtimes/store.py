@@ -20,17 +20,22 @@ from nemo_dcr.checkpoint import safetensors_files
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes.base import Catalog
 from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, storage_key
+from nemo_dcr.runtimes.private_memory import privatize_tensors
 
 
 class TensorStoreRuntime(NativeLoaderAdapter):
     """Records applied in place into a dict of canonical tensors (held, not copied).
 
     Every tensor must have its own storage: two names sharing one would receive each
-    record twice, so aliases are refused (ApplyError naming both).
+    record twice, so aliases are refused (ApplyError naming both). A tensor that still
+    lies in a memory-mapped file (`safetensors.torch.load_file` leaves them so) is first
+    pointed at a copy of its own (`private_memory.privatize_tensors`; the same tensor
+    object): applied bits must not follow the file on disk.
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         self.tensors: dict[str, torch.Tensor] = {}
+        self.privatized_bytes = privatize_tensors(t for t in tensors.values() if isinstance(t, torch.Tensor))
         owners: dict[int, str] = {}
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
