@@ -593,6 +593,27 @@ def choose_op(xor_values: np.ndarray, add_values: np.ndarray, width: int) -> Op:
     return Op.ADD if entropy_bits(ha) < entropy_bits(hx) else Op.XOR
 
 
+def choose_op_from_add(add_values: np.ndarray, new_bits: np.ndarray, width: int) -> Op:
+    """`choose_op` for changes given as their add values and new bits (xor = new ^ old,
+    old = new - add), as the producer's op "auto" keeps them: one compiled call for
+    16-bit and narrower values."""
+    if add_values.size == 0:
+        return Op.XOR
+    if width > 2:
+        return choose_op(new_bits ^ (new_bits - add_values), add_values, width)
+    a = np.ascontiguousarray(add_values).view(f"<u{width}")
+    n = np.ascontiguousarray(new_bits).view(f"<u{width}")
+    room = min(a.size, 1 << (8 * width))
+    table, lines = _zeroed_tables(width)
+    try:
+        hx, ha = kernels.xor_add_entropies(a, n, table, lines, np.empty(room, a.dtype), np.empty(room, np.int64))
+    except BaseException:  # interrupted: dirty tables would miscount later
+        table[:] = 0
+        lines[:] = 0
+        raise
+    return Op.ADD if ha < hx else Op.XOR
+
+
 def _positions_unsigned(positions: Any, where: str) -> np.ndarray:
     """uint64 positions, or uint32 ones as they are (the producer's in-place pieces give
     those: a copy to uint64 would cost a pass; the bytes on the wire are the same)."""

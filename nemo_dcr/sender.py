@@ -224,7 +224,7 @@ def _choose_op_sampled(pairs: list[tuple[np.ndarray, np.ndarray]]) -> Op:
     step = max(1, total // _CHOICE_SAMPLE)
     ad = _cat([a[::step] for a, _ in pairs])
     new = _cat([n[::step] for _, n in pairs])
-    return codec.choose_op(new ^ (new - ad), ad, ad.dtype.itemsize)  # xor = new ^ old, old = new - add
+    return codec.choose_op_from_add(ad, new, ad.dtype.itemsize)
 
 
 def _xor_of(pairs: list[tuple[np.ndarray, np.ndarray]], arena: _Arena) -> np.ndarray:

@@ -543,6 +543,33 @@ def test_histogram_lines_counts_every_value_once(n):
     assert not table.any() and not lines.any()
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("width", [1, 2])
+def test_xor_add_entropies_match_the_histograms_of_both_value_arrays(compiled, width):
+    """op "auto"'s choice from (add, new bits): the entropies of new ^ old and of
+    new - old (wrapping) equal numpy's from np.unique's counts, the tables come back zero,
+    and codec.choose_op_from_add picks what choose_op picks from both arrays."""
+    from nemo_dcr.positions import entropy_bits
+
+    fn = kernels.xor_add_entropies if compiled else kernels.xor_add_entropies.py_func
+    dt = np.dtype(f"<u{width}")
+    rng = np.random.default_rng(width)
+    top = 1 << (8 * width)
+    table, lines = np.zeros(4 * top, np.uint32), np.zeros(top // 4, np.uint8)
+    for n in (0, 1, 5, 4099):
+        old = rng.integers(0, top, n).astype(dt)
+        steps = rng.choice(np.array([1, top - 1]), n).astype(dt)  # +-1, wrapping
+        flips = (1 << rng.integers(0, 8 * width - 1, n)).astype(dt)
+        for new in (old + steps, old ^ flips, rng.integers(0, top, n).astype(dt)):
+            add = new - old
+            room = max(1, min(n, top))
+            hx, ha = fn(add, new, table, lines, np.empty(room, dt), np.empty(room, np.int64))
+            assert not table.any() and not lines.any()
+            want = [entropy_bits(np.unique(v, return_counts=True)[1]) if n else 0.0 for v in (new ^ old, add)]
+            assert (hx, ha) == pytest.approx(want, rel=1e-12, abs=1e-9)
+            assert codec.choose_op_from_add(add, new, width) is codec.choose_op(new ^ old, add, width)
+
+
 def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
     """Without numba the counting loop is Python and can be interrupted half-way: the kept
     tables are zeroed again, so the next histogram (and the records coded from it) is right."""
@@ -840,7 +867,8 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
                  "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
                  "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
-                 "joint_excess_bits", "rans_encode_joint", "rans_decode_joint"):
+                 "joint_excess_bits", "rans_encode_joint", "rans_decode_joint", "xor_add_entropies",
+                 "entropy_of_counts"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
