@@ -40,6 +40,7 @@ def test_privatize_copies_file_backed_storages_once_and_keeps_aliases(tmp_path):
     module.child = torch.nn.Module()
     module.child.tied = module.a  # the same parameter under a second name
     module.register_buffer("own", torch.arange(8))  # ordinary memory: left alone
+    module.register_buffer("sparse", torch.eye(3).to_sparse())  # no plain storage: left alone
     own_ptr, a_param = module.own.data_ptr(), module.a
     assert _in_a_file(module.a) and not _in_a_file(module.own)
 

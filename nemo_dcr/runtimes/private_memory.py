@@ -64,9 +64,12 @@ class _Copies:
     def view(self, t: torch.Tensor) -> torch.Tensor | None:
         """`t` as a view of its storage's copy, or None where it needs none (not on the
         CPU, or not in a file; where the mappings cannot be read, every CPU storage is)."""
-        if t.device.type != "cpu" or t.is_meta:
+        if t.device.type != "cpu" or t.is_meta or t.layout != torch.strided:
             return None
-        storage = t.untyped_storage()
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a plain storage
+            return None
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes == 0 or (self.ranges is not None and not _in_a_file(ptr, nbytes, self.ranges)):
             return None
