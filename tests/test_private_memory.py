@@ -1,5 +1,6 @@
-"""privatize / HFRuntime: weights that lie in a memory-mapped checkpoint get memory of their
-own, so that the bits a receiver serves never follow the file on disk."""
+"""privatize / HFRuntime / TensorStoreRuntime: weights that lie in a private file mapping (a
+memory-mapped checkpoint) get memory of their own, so that the bits a receiver serves never
+follow the file on disk; shared mappings (share_memory_()) are left as they are."""
 
 from __future__ import annotations
 
@@ -41,12 +42,15 @@ def test_privatize_copies_file_backed_storages_once_and_keeps_aliases(tmp_path):
     module.child.tied = module.a  # the same parameter under a second name
     module.register_buffer("own", torch.arange(8))  # ordinary memory: left alone
     module.register_buffer("sparse", torch.eye(3).to_sparse())  # no plain storage: left alone
+    module.register_buffer("shared", torch.zeros(4096).share_memory_())  # a shared mapping, on purpose: left alone
+    shared_ptr = module.shared.data_ptr()
     own_ptr, a_param = module.own.data_ptr(), module.a
     assert _in_a_file(module.a) and not _in_a_file(module.own)
 
     assert privatize(module) == 2 * n  # one copy of the one mapped storage
     assert not any(_in_a_file(t) for t in (module.a, module.b, module.c))
     assert module.own.data_ptr() == own_ptr and module.a is a_param and module.child.tied is module.a
+    assert module.shared.data_ptr() == shared_ptr and module.shared.is_shared()
     np.testing.assert_array_equal(torch.cat([module.a.view(-1), module.b]).numpy(), np.arange(n, dtype=np.int16))
     _scribble(path, 0, 2 * n)
     np.testing.assert_array_equal(module.c.numpy(), np.arange(0, n, 2, dtype=np.int16))  # not the file's new bytes

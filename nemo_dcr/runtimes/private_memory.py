@@ -24,8 +24,10 @@ _MAPS = "/proc/self/maps"
 
 
 def mapped_file_ranges() -> list[tuple[int, int]] | None:
-    """Sorted [start, end) address ranges of this process's file-backed mappings; None
-    where the process's mappings cannot be read (not Linux)."""
+    """Sorted [start, end) address ranges of this process's private (copy-on-write)
+    file mappings; None where the process's mappings cannot be read (not Linux). Shared
+    mappings are left out: writes to them reach the file, which is what a tensor placed
+    there on purpose (`share_memory_()`, a /dev/shm segment) wants."""
     try:
         with open(_MAPS) as f:
             lines = f.read().splitlines()
@@ -34,9 +36,9 @@ def mapped_file_ranges() -> list[tuple[int, int]] | None:
     ranges = []
     for line in lines:
         fields = line.split(maxsplit=5)
-        # address perms offset dev inode [path]: a file has an inode; [heap], [stack] and
-        # anonymous memory have inode 0
-        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+        # address perms offset dev inode [path]: a file has an inode ([heap], [stack] and
+        # anonymous memory have 0); perms end in p (private) or s (shared)
+        if len(fields) == 6 and fields[1].endswith("p") and fields[4] != "0" and fields[5].startswith("/"):
             lo, hi = (int(x, 16) for x in fields[0].split("-"))
             ranges.append((lo, hi))
     ranges.sort()
