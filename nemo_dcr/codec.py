@@ -40,6 +40,7 @@ the reason. Nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -80,6 +81,12 @@ from .records import Op, Payload, PayloadHeader, Record
 
 MAGIC = b"NDCR"
 FORMAT_VERSION = 5
+WRITABLE_VERSIONS = (4, 5)  # what `encode` writes: 5, and 4 for receivers that read only 4
+
+
+def writable_versions_text() -> str:
+    """WRITABLE_VERSIONS for error messages: "4 or 5"."""
+    return " or ".join(str(v) for v in WRITABLE_VERSIONS)
 FLAG_HMAC = 0x0001
 _PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = _PREFIX.size  # 12
@@ -237,8 +244,9 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
-    if version not in (4, 5):
-        raise ValueError(f"version must be 4 or 5 (the versions this encoder writes), got {version!r}")
+    if version not in WRITABLE_VERSIONS:
+        raise ValueError(f"version must be {writable_versions_text()} (the versions this encoder writes), "
+                         f"got {version!r}")
     joint_ok = _VERSIONS[version].joint
     h = payload.header
     _check_identity(h, ValueError)
@@ -438,13 +446,8 @@ def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarra
         v = np.ascontiguousarray(vals).view(f"<u{width}")
         distinct = np.empty(min(v.size, 1 << (8 * width)), v.dtype)
         found = np.empty(distinct.size, np.int64)
-        table, lines = _zeroed_tables(width)
-        try:
+        with _histogram_tables(width) as (table, lines):
             k = kernels.histogram_lines(v, table, lines, distinct, found)
-        except BaseException:  # interrupted (as Python, without numba): dirty tables would miscount later
-            table[:] = 0
-            lines[:] = 0
-            raise
         return distinct[:k], found[:k]
     return np.unique(vals, return_counts=True)
 
@@ -459,6 +462,20 @@ def _zeroed_tables(width: int) -> tuple[np.ndarray, np.ndarray]:
         nbins = 1 << (8 * width)
         tables[width] = (np.zeros(4 * nbins, np.uint32), np.zeros(nbins // 4, np.uint8))
     return tables[width]
+
+
+@contextlib.contextmanager
+def _histogram_tables(width: int):
+    """The thread's zeroed tables for a kernel that counts into them and zeroes them again
+    (`kernels.histogram_lines`); zeroed here when the kernel is interrupted half-way (as
+    Python, without numba): dirty tables would miscount every later histogram."""
+    table, lines = _zeroed_tables(width)
+    try:
+        yield table, lines
+    except BaseException:
+        table[:] = 0
+        lines[:] = 0
+        raise
 
 
 def values_entropy_bits(vals: np.ndarray, width: int) -> float:
@@ -604,13 +621,8 @@ def choose_op_from_add(add_values: np.ndarray, new_bits: np.ndarray, width: int)
     a = np.ascontiguousarray(add_values).view(f"<u{width}")
     n = np.ascontiguousarray(new_bits).view(f"<u{width}")
     room = min(a.size, 1 << (8 * width))
-    table, lines = _zeroed_tables(width)
-    try:
+    with _histogram_tables(width) as (table, lines):
         hx, ha = kernels.xor_add_entropies(a, n, table, lines, np.empty(room, a.dtype), np.empty(room, np.int64))
-    except BaseException:  # interrupted: dirty tables would miscount later
-        table[:] = 0
-        lines[:] = 0
-        raise
     return Op.ADD if ha < hx else Op.XOR
 
 

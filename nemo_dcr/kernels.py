@@ -1113,7 +1113,8 @@ def histogram_lines(vals, table, lines, distinct, found):
 
 @_jit
 def entropy_of_counts(found, k):
-    """Order-0 entropy in bits of a sample with the counts found[:k]: sum c * log2(m / c)."""
+    """Order-0 entropy in bits of a sample with the counts found[:k] (zeros allowed):
+    sum c * log2(m / c). `positions.entropy_bits` for any counts."""
     m = np.int64(0)
     for i in range(k):
         m += found[i]
@@ -1122,8 +1123,9 @@ def entropy_of_counts(found, k):
     lm = np.log2(np.float64(m))
     bits = 0.0
     for i in range(k):
-        c = np.float64(found[i])
-        bits += c * (lm - np.log2(c))
+        if found[i] > 0:
+            c = np.float64(found[i])
+            bits += c * (lm - np.log2(c))
     return bits
 
 

@@ -250,10 +250,8 @@ class Reader:
 
 def entropy_bits(counts: np.ndarray) -> float:
     """Empirical (order-0) entropy in bits of a sample with these symbol counts: sum c*log2(m/c)."""
-    c = np.asarray(counts, dtype=np.float64)
-    c = c[c > 0]
-    m = c.sum()
-    return float((c * (np.log2(m) - np.log2(c))).sum()) if m else 0.0
+    c = np.asarray(counts, dtype=np.int64)
+    return float(_k.entropy_of_counts(c, c.size))
 
 
 # ================================================================ rANS streams

@@ -280,9 +280,9 @@ class Producer:
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
             raise ValueError(f"encode_threads must be an int >= 0, got {encode_threads!r}")
-        if type(wire_version) is not int or wire_version not in (4, 5):
-            raise ValueError(f"wire_version must be 4 or 5 (the formats payloads can be written in), "
-                             f"got {wire_version!r}")
+        if type(wire_version) is not int or wire_version not in codec.WRITABLE_VERSIONS:
+            raise ValueError(f"wire_version must be {codec.writable_versions_text()} (the formats payloads can "
+                             f"be written in), got {wire_version!r}")
         self.wire_version = wire_version
         self.encode_threads = encode_threads
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end

@@ -549,7 +549,9 @@ def test_xor_add_entropies_match_the_histograms_of_both_value_arrays(compiled, w
     """op "auto"'s choice from (add, new bits): the entropies of new ^ old and of
     new - old (wrapping) equal numpy's from np.unique's counts, the tables come back zero,
     and codec.choose_op_from_add picks what choose_op picks from both arrays."""
-    from nemo_dcr.positions import entropy_bits
+    def entropy_bits(counts):  # numpy, independent of the kernel's own sum
+        c = counts.astype(np.float64)
+        return float((c * (np.log2(c.sum()) - np.log2(c))).sum())
 
     fn = kernels.xor_add_entropies if compiled else kernels.xor_add_entropies.py_func
     dt = np.dtype(f"<u{width}")
@@ -1024,3 +1026,11 @@ def test_scatter_apply_matches_numpy(width, op):
         got = flat.copy()
         fn(got, pos, vals, op)
         assert np.array_equal(got, want)
+
+
+def test_entropy_bits_skips_zero_counts():
+    """positions.entropy_bits (through kernels.entropy_of_counts): counts of zero add nothing."""
+    from nemo_dcr.positions import entropy_bits
+
+    assert entropy_bits(np.array([], np.int64)) == 0.0 and entropy_bits(np.zeros(3, np.int64)) == 0.0
+    assert entropy_bits(np.array([3, 0, 1, 0])) == pytest.approx(3 * np.log2(4 / 3) + np.log2(4), rel=1e-12)

@@ -66,7 +66,7 @@ class _Copies:
     def view(self, t: torch.Tensor) -> torch.Tensor | None:
         """`t` as a view of its storage's copy, or None where it needs none (not on the
         CPU, or not in a file; where the mappings cannot be read, every CPU storage is)."""
-        if t.device.type != "cpu" or t.is_meta or t.layout != torch.strided:
+        if t.device.type != "cpu" or t.layout != torch.strided:
             return None
         try:
             storage = t.untyped_storage()

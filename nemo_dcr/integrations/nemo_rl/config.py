@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_dcr import registry
+from nemo_dcr.codec import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
 from nemo_dcr.records import Op
 
 PATH = "policy.generation.refit_cfg.dcr"
@@ -70,7 +71,7 @@ class DCRSettings:
     timeout_s: float = 300.0
     max_payload_elements: int = 1 << 20
     encode_threads: int = 0  # per trainer rank: threads that encode payloads while the rank diffs on
-    wire_version: int = 5  # the wire format payloads are written in (4: for receivers not yet reading 5)
+    wire_version: int = FORMAT_VERSION  # the wire format payloads are written in (4: for receivers not yet reading 5)
     metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
     max_attempts: int = 1  # tries of one transfer (retries are in place, as overwrites); see docs/nemo-rl.md
     readback: bool = False  # receivers read applied regions back; checked before the commit
@@ -174,11 +175,11 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
     max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
     encode_threads = checker.integer(cfg, "encode_threads", 0, low=0)
-    wire_version = cfg.get("wire_version", 5)
-    if isinstance(wire_version, bool) or wire_version not in (4, 5):
-        problems.append(f"{PATH}.wire_version must be 4 or 5 (the wire formats payloads can be written in), "
-                        f"got {wire_version!r}")
-        wire_version = 5
+    wire_version = cfg.get("wire_version", FORMAT_VERSION)
+    if isinstance(wire_version, bool) or wire_version not in WRITABLE_VERSIONS:
+        problems.append(f"{PATH}.wire_version must be {writable_versions_text()} (the wire formats payloads can "
+                        f"be written in), got {wire_version!r}")
+        wire_version = FORMAT_VERSION
     metrics_port = cfg.get("metrics_port")
     if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
                                      or not 1 <= metrics_port <= 65535):
