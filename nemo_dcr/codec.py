@@ -78,15 +78,9 @@ from .positions import (
     read_model,
 )
 from .records import Op, Payload, PayloadHeader, Record
+from .wire_versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
 
 MAGIC = b"NDCR"
-FORMAT_VERSION = 5
-WRITABLE_VERSIONS = (4, 5)  # what `encode` writes: 5, and 4 for receivers that read only 4
-
-
-def writable_versions_text() -> str:
-    """WRITABLE_VERSIONS for error messages: "4 or 5"."""
-    return " or ".join(str(v) for v in WRITABLE_VERSIONS)
 FLAG_HMAC = 0x0001
 _PREFIX = struct.Struct("<4sHHI")
 PREFIX_BYTES = _PREFIX.size  # 12

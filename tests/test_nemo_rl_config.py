@@ -4,6 +4,8 @@ and each kind of mistake is reported with the path of the field that is wrong.""
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +153,13 @@ def test_recovery_settings_reach_the_trainer(monkeypatch):
 def test_recovery_settings_are_checked(changes, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         from_generation_config(with_dcr(**changes))
+
+
+def test_the_config_loads_no_compiled_kernels():
+    """vLLM generation workers import the config before their engine starts, and vLLM's CPU
+    start-up fails once numba's LLVM binding is loaded (nemo_dcr/wire_versions.py): the
+    config must not import the codec or the kernels."""
+    code = ("import sys, nemo_dcr.integrations.nemo_rl.config; "
+            "print(sorted(m for m in ('numba', 'llvmlite', 'nemo_dcr.kernels', 'nemo_dcr.codec') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

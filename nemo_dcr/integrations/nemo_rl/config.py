@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_dcr import registry
-from nemo_dcr.codec import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
+from nemo_dcr.wire_versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text  # not codec: see there
 from nemo_dcr.records import Op
 
 PATH = "policy.generation.refit_cfg.dcr"
