@@ -647,43 +647,45 @@ def rans_model(counts, freq, cum):
 
 @_jit
 def _rans_tables(freq, cum):
-    """Per symbol, as uint64 rows (f = 0 rows are never used): [f << 16 (the state bound of
-    renormalisation), a reciprocal r, 2**16 - f, an addend c], such that for every state
-    1 <= x < f * 2**16, x' = x + mulhi(x, r) * (2**16 - f) + c is the coded state
-    (x // f << 16) + x % f + cum.
+    """Per symbol s, four uint64 at t[4s..4s+3] (f = 0 symbols' are never used): f << 16
+    (the state bound of renormalisation), a reciprocal r, 2**16 - f, an addend c, such that
+    for every state 1 <= x < f * 2**16, x' = x + mulhi(x, r) * (2**16 - f) + c is the coded
+    state (x // f << 16) + x % f + cum. One flat array: a 2-D one costs the coding loop a
+    multiply by its row stride per symbol.
 
     f >= 2: r = ceil(2**64 / f) (< 2**63), c = cum, and mulhi(x, r) = x // f exactly: it
     overshoots x / f by less than x / 2**64 < 2**-32, while a fractional x / f stays at
     least 1/f > 2**-16 below the next integer. f = 1: r = 2**64 - 1, so mulhi(x, r) =
     x - 1, one short of x // f = x, and c = cum + 2**16 - 1 makes up for it."""
-    t = np.zeros((freq.size, 4), np.uint64)
+    t = np.zeros(4 * freq.size, np.uint64)
     for k in range(freq.size):
         f = freq[k]
         if f:
-            t[k, 0] = np.uint64(f) << np.uint64(16)
-            t[k, 2] = np.uint64(PROB_SCALE - f)
+            t[4 * k] = np.uint64(f) << np.uint64(16)
+            t[4 * k + 2] = np.uint64(PROB_SCALE - f)
             if f == 1:
-                t[k, 1] = np.uint64(0xFFFFFFFFFFFFFFFF)
-                t[k, 3] = np.uint64(cum[k] + PROB_SCALE - 1)
+                t[4 * k + 1] = np.uint64(0xFFFFFFFFFFFFFFFF)
+                t[4 * k + 3] = np.uint64(cum[k] + PROB_SCALE - 1)
             else:
-                t[k, 1] = np.uint64(0xFFFFFFFFFFFFFFFF) // np.uint64(f) + np.uint64(1)
-                t[k, 3] = np.uint64(cum[k])
+                t[4 * k + 1] = np.uint64(0xFFFFFFFFFFFFFFFF) // np.uint64(f) + np.uint64(1)
+                t[4 * k + 3] = np.uint64(cum[k])
     return t
 
 
 @_jit
 def _encode_step(x, s, t, out, p):
-    """Code symbol s (a row of `_rans_tables` t) into state x, storing a renormalisation
+    """Code symbol s (its four entries in `_rans_tables` t) into state x, storing a renormalisation
     word below out[p] if it needs one: (the new state, the new p). Branch-free: the low
     word is always stored and kept only when the state had to shrink (at most one word
     per symbol, so the store stays inside `out`). No division: after renormalisation
     1 <= x < f * 2**16, and the quotient comes from a 64 x 64 -> 128-bit multiply by a
     reciprocal. Unsigned throughout, so indexing needs no negative-index handling."""
-    big = x >= t[s, 0]
+    r = s << np.uint64(2)
+    big = x >= t[r]
     out[p - np.uint64(1)] = np.uint16(x & np.uint64(0xFFFF))
     p -= np.uint64(big)
     x = (x >> np.uint64(16)) if big else x
-    return x + _mulhi(x, t[s, 1]) * t[s, 2] + t[s, 3], p
+    return x + _mulhi(x, t[r + np.uint64(1)]) * t[r + np.uint64(2)] + t[r + np.uint64(3)], p
 
 
 @_jit
@@ -956,8 +958,9 @@ def _encode_finish4(x0, x1, x2, x3, out, p):
 
 
 @_jit
-def _joint_symbol(sym1, sym2, lut2, a2, i):
-    return np.uint64(sym1[i]) * a2 + np.uint64(lut2[sym2[i]])
+def _joint_symbol(sym1, sym2, lut2, row, i):
+    """row[q] = q * a2: a load where the multiply cost the coding loop more."""
+    return row[sym1[i]] + np.uint64(lut2[sym2[i]])
 
 
 @_jit
@@ -969,7 +972,7 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
     x0 high, ..., x3 high), then the renormalisation words in the order the decoder reads
     them. freq / cum: the joint model (every coded symbol's frequency in [1, 2**16))."""
     t = _rans_tables(freq, cum)
-    w = np.uint64(a2)
+    w = np.arange(freq.size // a2).astype(np.uint64) * np.uint64(a2)  # w[q]: quotient q's first cell
     x0 = np.uint64(RANS_L)
     x1 = np.uint64(RANS_L)
     x2 = np.uint64(RANS_L)
