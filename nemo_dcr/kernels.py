@@ -320,7 +320,7 @@ def leb128_parse(buf, start, n, out):
 # ======================================================================== gaps
 
 
-_RICE_BLOCKS, _RICE_RUN = 256, 64  # rice_shift's sample of a long record: 2**14 gaps
+_RICE_BLOCKS, _RICE_RUN = 64, 64  # rice_shift's sample of a long record: 2**12 gaps
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -329,16 +329,18 @@ def rice_shift(p, cap):
     """Rice shift r for the sorted int64 positions p (0 when empty), quotient symbols capped at
     `cap`: the best of three shifts around log2(mean gap) by estimated size (order-0
     entropy of the capped quotients + r raw bits per gap + 24 bits per escape), on at most
-    2**14 gaps: all of them (g_0 = p[0]) below 2**15 positions, else _RICE_BLOCKS runs of
+    2**13 gaps: all of them (g_0 = p[0]) below 2**13 positions, else _RICE_BLOCKS runs of
     _RICE_RUN consecutive gaps evenly spread (runs, not single gaps: each takes a few cache
-    lines where 2**14 lone gaps missed the cache 2**14 times, ~0.4 ms a payload). Negative
+    lines where lone gaps missed the cache every time, ~0.4 ms a payload). 2**12 sampled
+    gaps code within 0.02% of what 2**14 chose (benchmarks/trainer_speed.py and codec.py:
+    -0.14% to +0.02% a row), at 7 us a record against 24. Negative
     gaps (unsorted input, which the split then rejects) count as 0. The choice only affects
     the size, never correctness. One pass for the mean, one for a histogram of the
     quotients by the smallest shift (those by the two larger shifts are sums of its bins)."""
     n = p.size
     if n == 0:
         return 0
-    if n < (1 << 15):
+    if n < 2 * _RICE_BLOCKS * _RICE_RUN:
         k = n
         g = np.empty(k, np.int64)
         for j in range(k):
