@@ -108,3 +108,19 @@ def test_tensor_store_holds_the_given_tensors_in_memory_of_their_own(tmp_path):
                                   np.arange(1 << 15, dtype=np.int16))
     rt.apply([Record("w", "BF16", (1 << 15,), Op.XOR, np.array([3], np.uint64), np.array([0x10], np.uint16))])
     assert int(tensors["w"].view(torch.int16)[3]) == 3 ^ 0x10  # held, not copied: the caller's tensor changed
+
+
+def test_a_refused_tensor_store_leaves_the_given_tensors_in_their_file(tmp_path):
+    """The store's checks come first: a store refused for aliased tensors copies nothing."""
+    from safetensors.torch import load_file, save_file
+
+    from nemo_dcr.errors import ApplyError
+    from nemo_dcr.runtimes.store import TensorStoreRuntime
+
+    path = tmp_path / "store.safetensors"
+    save_file({"w": torch.ones(1 << 15, dtype=torch.bfloat16)}, path)
+    tensors = load_file(path)
+    tensors["alias"] = tensors["w"][:16]  # shares w's storage: refused
+    with pytest.raises(ApplyError, match="shares its storage"):
+        TensorStoreRuntime(tensors)
+    assert _in_a_file(tensors["w"]) and _in_a_file(tensors["alias"])

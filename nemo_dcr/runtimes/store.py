@@ -34,8 +34,6 @@ class TensorStoreRuntime(NativeLoaderAdapter):
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.privatized_bytes = privatize_tensors(t for t in tensors.values() if isinstance(t, torch.Tensor))
         owners: dict[int, str] = {}
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
@@ -48,7 +46,9 @@ class TensorStoreRuntime(NativeLoaderAdapter):
             if key in owners:
                 raise ApplyError(f"{name!r} shares its storage with {owners[key]!r}: clone one of them")
             owners[key] = name
-            self.tensors[name] = t.detach()
+        # After the checks: a store refused above leaves the caller's tensors where they were.
+        self.privatized_bytes = privatize_tensors(tensors.values())
+        self.tensors: dict[str, torch.Tensor] = {name: t.detach() for name, t in tensors.items()}
         self._catalog: Catalog = {n: (dtypes.from_torch(t.dtype).name, tuple(t.shape)) for n, t in self.tensors.items()}
 
     @classmethod
