@@ -331,9 +331,9 @@ def rice_shift(p, cap):
     entropy of the capped quotients + r raw bits per gap + 24 bits per escape), on at most
     2**13 gaps: all of them (g_0 = p[0]) below 2**13 positions, else _RICE_BLOCKS runs of
     _RICE_RUN consecutive gaps evenly spread (runs, not single gaps: each takes a few cache
-    lines where lone gaps missed the cache every time, ~0.4 ms a payload). 2**12 sampled
-    gaps code within 0.02% of what 2**14 chose (benchmarks/trainer_speed.py and codec.py:
-    -0.14% to +0.02% a row), at 7 us a record against 24. Negative
+    lines where lone gaps missed the cache every time, ~0.4 ms a payload). With 2**12 sampled
+    gaps instead of 2**14 the payloads of benchmarks/trainer_speed.py and codec.py came out
+    -0.14% to +0.02% a row, at 7 us a record against 24. Negative
     gaps (unsorted input, which the split then rejects) count as 0. The choice only affects
     the size, never correctness. One pass for the mean, one for a histogram of the
     quotients by the smallest shift (those by the two larger shifts are sums of its bins)."""
@@ -682,12 +682,12 @@ def _encode_step(x, s, t, out, p):
     per symbol, so the store stays inside `out`). No division: after renormalisation
     1 <= x < f * 2**16, and the quotient comes from a 64 x 64 -> 128-bit multiply by a
     reciprocal. Unsigned throughout, so indexing needs no negative-index handling."""
-    r = s << np.uint64(2)
-    big = x >= t[r]
+    at = s << np.uint64(2)
+    big = x >= t[at]
     out[p - np.uint64(1)] = np.uint16(x & np.uint64(0xFFFF))
     p -= np.uint64(big)
     x = (x >> np.uint64(16)) if big else x
-    return x + _mulhi(x, t[r + np.uint64(1)]) * t[r + np.uint64(2)] + t[r + np.uint64(3)], p
+    return x + _mulhi(x, t[at + np.uint64(1)]) * t[at + np.uint64(2)] + t[at + np.uint64(3)], p
 
 
 @_jit
@@ -974,7 +974,7 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
     x0 high, ..., x3 high), then the renormalisation words in the order the decoder reads
     them. freq / cum: the joint model (every coded symbol's frequency in [1, 2**16))."""
     t = _rans_tables(freq, cum)
-    w = np.arange(freq.size // a2).astype(np.uint64) * np.uint64(a2)  # w[q]: quotient q's first cell
+    row = np.arange(freq.size // a2).astype(np.uint64) * np.uint64(a2)  # row[q]: quotient q's first cell
     x0 = np.uint64(RANS_L)
     x1 = np.uint64(RANS_L)
     x2 = np.uint64(RANS_L)
@@ -984,17 +984,17 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
     i = n - n % np.uint64(4)
     # the last n % 4 symbols first (indices i.. n-1, states 0..2), the last one first
     if n - i > np.uint64(2):
-        x2, p = _encode_step(x2, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(2)), t, out, p)
+        x2, p = _encode_step(x2, _joint_symbol(sym1, sym2, lut2, row, i + np.uint64(2)), t, out, p)
     if n - i > np.uint64(1):
-        x1, p = _encode_step(x1, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(1)), t, out, p)
+        x1, p = _encode_step(x1, _joint_symbol(sym1, sym2, lut2, row, i + np.uint64(1)), t, out, p)
     if n - i > np.uint64(0):
-        x0, p = _encode_step(x0, _joint_symbol(sym1, sym2, lut2, w, i), t, out, p)
+        x0, p = _encode_step(x0, _joint_symbol(sym1, sym2, lut2, row, i), t, out, p)
     while i:
         i -= np.uint64(4)
-        x3, p = _encode_step(x3, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(3)), t, out, p)
-        x2, p = _encode_step(x2, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(2)), t, out, p)
-        x1, p = _encode_step(x1, _joint_symbol(sym1, sym2, lut2, w, i + np.uint64(1)), t, out, p)
-        x0, p = _encode_step(x0, _joint_symbol(sym1, sym2, lut2, w, i), t, out, p)
+        x3, p = _encode_step(x3, _joint_symbol(sym1, sym2, lut2, row, i + np.uint64(3)), t, out, p)
+        x2, p = _encode_step(x2, _joint_symbol(sym1, sym2, lut2, row, i + np.uint64(2)), t, out, p)
+        x1, p = _encode_step(x1, _joint_symbol(sym1, sym2, lut2, row, i + np.uint64(1)), t, out, p)
+        x0, p = _encode_step(x0, _joint_symbol(sym1, sym2, lut2, row, i), t, out, p)
     return _encode_finish4(x0, x1, x2, x3, out, p)
 
 
