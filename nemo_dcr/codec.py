@@ -1,10 +1,10 @@
-"""Wire codec, format v5: `Payload` <-> bytes. The full spec is docs/wire-format.md.
+"""Wire codec, formats v5 and v6: `Payload` <-> bytes. The full spec is docs/wire-format.md.
 
 Byte layout (all integers little-endian):
 
     offset          size   field
     0               4      magic b"NDCR"
-    4               2      u16 format version (= 5)
+    4               2      u16 format version (5, or 6; 4 and 3 are read too)
     6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
     8               4      u32 header length H
     12              H      header: JSON, UTF-8, sorted keys, no whitespace
@@ -24,9 +24,12 @@ raw low bits), `runs` (v1's run varints), `all`, `dense` (xor/add values at ever
 zeros dropped on decode); values `symbols_rans` (a rANS-coded table of distinct values
 plus escapes) or `planes` (v1's byte planes); and, from v5, `gaps_joint` + `symbols_joint`
 (the same sections with the quotients and value symbols in one rANS stream, one symbol
-per change: `nemo_dcr.joint`). The encoder picks, per record, whichever is smallest on
-the wire (the joint stream by an estimate of what it adds); the decoded `Record` does not
-depend on that choice. v2's constriction-coded `gaps` / `symbols` are unknown encodings.
+per change: `nemo_dcr.joint`); and, in v6, `gaps_prefix` + `symbols_prefix` (the same as
+one bit stream of prefix codes, coded with torch ops on the device that holds the record's
+tensors: `nemo_dcr.prefix`). The encoder picks, per record, whichever is smallest on
+the wire (the joint stream by an estimate of what it adds; the prefix stream for records
+handed over as tensors, in v6); the decoded `Record` does not depend on that choice.
+v2's constriction-coded `gaps` / `symbols` are unknown encodings.
 
 `decode` also reads formats v4 (the same without the joint encodings; `encode(version=4)`
 writes it) and v3 (stored delta histories may hold it): v4's layout with a BLAKE2b-128
@@ -50,12 +53,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
+import torch
 import xxhash
 import zstandard
 
 from . import dtypes
 from .errors import PayloadRejected
 from . import kernels
+from . import prefix
 from .joint import decode_joint, encode_joint
 from .positions import (
     MAX_NUMEL,
@@ -87,10 +92,15 @@ PREFIX_BYTES = _PREFIX.size  # 12
 CHECKSUM_BYTES = 16
 HMAC_BYTES = 32
 
-POSITION_ENCODINGS = ("gaps_rans", "gaps_joint", "runs", "all", "dense")
-VALUE_ENCODINGS = ("symbols_rans", "symbols_joint", "planes")
+POSITION_ENCODINGS = ("gaps_rans", "gaps_joint", "gaps_prefix", "runs", "all", "dense")
+VALUE_ENCODINGS = ("symbols_rans", "symbols_joint", "symbols_prefix", "planes")
 # v5: a record's positions and values as one rANS stream (nemo_dcr.joint); always together.
 _JOINT = ("gaps_joint", "symbols_joint")
+# v6: the same as one prefix-coded bit stream, coded where the record's tensors are
+# (nemo_dcr.prefix); always together.
+_PREFIX_CODED = ("gaps_prefix", "symbols_prefix")
+# The pairs of encodings that only come together, positions first.
+_PAIRED = (_JOINT, _PREFIX_CODED)
 # Literal values a `symbols_rans` table may hold (one more symbol escapes to raw values).
 VALUE_ALPHABET = 1024
 # Records of at most this many changes also try the simple v1 encodings (runs, planes).
@@ -112,13 +122,14 @@ _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
 # each section has one spelling. Only `true` is valid.
 _STORED = "stored"
 # What the encoder stores raw: rANS output is incompressible, zstd would only cost time.
-_STORED_ENCODINGS = frozenset({"gaps_rans", "symbols_rans", *_JOINT})
+_STORED_ENCODINGS = frozenset({"gaps_rans", "symbols_rans", *_JOINT, *_PREFIX_CODED})
 _POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps_rans": _SECTION_KEYS | {"encoding"},
-                  "gaps_joint": _SECTION_KEYS | {"encoding"},
+                  "gaps_joint": _SECTION_KEYS | {"encoding"}, "gaps_prefix": _SECTION_KEYS | {"encoding"},
                   "all": frozenset({"encoding"}), "dense": frozenset({"encoding"})}
 _VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
                "symbols_rans": _SECTION_KEYS | {"encoding", "width"},
-               "symbols_joint": _SECTION_KEYS | {"encoding", "width"}}
+               "symbols_joint": _SECTION_KEYS | {"encoding", "width"},
+               "symbols_prefix": _SECTION_KEYS | {"encoding", "width"}}
 
 
 def _blake2b_128() -> Any:
@@ -133,6 +144,7 @@ class _Version:
     checksum_name: str
     stored_sections: bool  # whether a section may be stored raw ("stored": true)
     joint: bool = False  # whether records may use the joint encodings (gaps_joint / symbols_joint)
+    prefix: bool = False  # whether records may use the prefix encodings (gaps_prefix / symbols_prefix)
 
     def checksum(self, *parts: Any) -> bytes:
         """The checksum of bytes [0, 12+H+B), given as one or more consecutive parts
@@ -149,6 +161,7 @@ _VERSIONS = {
     # against corruption only, as BLAKE2b without a key did; the HMAC authenticates.
     4: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True),
     5: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True, joint=True),
+    6: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True, joint=True, prefix=True),
 }
 
 
@@ -226,7 +239,7 @@ class _Rejecting:
 
 def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto",
            version: int = FORMAT_VERSION) -> bytes:
-    """Serialize `payload` (format v5). Raises ValueError on an invalid payload.
+    """Serialize `payload` (format v5, or `version`). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
     level: zstd compression level for every section that is not stored raw.
@@ -234,7 +247,11 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
            included) when that is smaller on the wire; "never" / "always" force it
            (for benchmarks). The decoded record is the same either way.
     version: 5, or 4 for receivers that do not read version 5 yet (no joint streams:
-           every record's positions and values in two rANS streams, as v4 coded them).
+           every record's positions and values in two rANS streams, as v4 coded them),
+           or 6: records whose positions and values are torch tensors are then coded
+           where they are, with prefix codes (`gaps_prefix` / `symbols_prefix`,
+           nemo_dcr.prefix: a GPU codes them itself); the rest as version 5 codes them.
+           With 4 or 5, tensors are copied to the host and coded there.
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
@@ -278,22 +295,28 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         numel = _numel(shape)
         if numel is None:
             raise ValueError(f"{where}: shape {shape} has a negative dim or > 2**63 elements")
-        pos = _positions_unsigned(r.positions, where)
-        gaps = None
-        if _PAIR_MIN <= pos.size < numel:
-            # Coded as gaps: splitting them checks the order on the way (one pass fewer);
-            # when it fails, check_positions says what is wrong.
-            gaps = gaps_parts(pos) if pos.ndim == 1 else None
-            why = check_positions(pos, numel) if gaps is None or int(pos[-1]) >= numel else None
+        coded = None
+        if isinstance(r.positions, torch.Tensor) or isinstance(r.values, torch.Tensor):
+            r, coded = _tensor_record(r, dt, numel, where, _VERSIONS[version].prefix, cctx)
+        if coded is not None:
+            pos, vals, (pchoice, vchoice) = r.positions, r.values, coded
         else:
-            why = check_positions(pos, numel)
-        if why:
-            raise ValueError(f"{where}: {why}")
-        vals = _values_bits(r.values, dt, where)
-        if vals.shape[0] != pos.shape[0]:
-            raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
+            pos = _positions_unsigned(r.positions, where)
+            gaps = None
+            if _PAIR_MIN <= pos.size < numel:
+                # Coded as gaps: splitting them checks the order on the way (one pass fewer);
+                # when it fails, check_positions says what is wrong.
+                gaps = gaps_parts(pos) if pos.ndim == 1 else None
+                why = check_positions(pos, numel) if gaps is None or int(pos[-1]) >= numel else None
+            else:
+                why = check_positions(pos, numel)
+            if why:
+                raise ValueError(f"{where}: {why}")
+            vals = _values_bits(r.values, dt, where)
+            if vals.shape[0] != pos.shape[0]:
+                raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
+            pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps, joint_ok)
         count = int(pos.shape[0])
-        pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps, joint_ok)
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
@@ -516,14 +539,10 @@ def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
         return None
     bits = np.dtype(f"<u{width}")
     distinct, counts = value_histogram(vals, width)
-    if distinct.size <= VALUE_ALPHABET:
-        table, escape = distinct, 0
-    else:  # the most frequent values that repeat; the rest escape
-        keep = np.argpartition(-counts, VALUE_ALPHABET - 1)[:VALUE_ALPHABET]
-        keep = keep[counts[keep] > 1]
-        table, escape = np.sort(distinct[keep]), 1
-        if counts[keep].sum() * 2 < vals.size:
-            return None
+    chosen = value_table(distinct, counts, vals.size)
+    if chosen is None:
+        return None
+    table, escape = chosen
     literal = table.size
     head = (leb128_encode(np.array([literal, escape], np.uint64)).tobytes()
             + table.astype(bits, copy=False).tobytes())
@@ -546,6 +565,20 @@ def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
     return ValueParts(head, sym, None, sym_counts, tail)
 
 
+def value_table(distinct: np.ndarray, counts: np.ndarray, m: int) -> tuple[np.ndarray, int] | None:
+    """(table, escape flag) of a values section, given the m values' distinct values
+    (ascending) and counts: every distinct value when there are at most VALUE_ALPHABET,
+    otherwise the most frequent values that repeat, and an escape for the rest; None when
+    most values would escape."""
+    if distinct.size <= VALUE_ALPHABET:
+        return distinct, 0
+    keep = np.argpartition(-counts, VALUE_ALPHABET - 1)[:VALUE_ALPHABET]
+    keep = keep[counts[keep] > 1]
+    if counts[keep].sum() * 2 < m:
+        return None
+    return np.sort(distinct[keep]), 1
+
+
 def decode_value_symbols(raw: bytes | memoryview, m: int, dt: dtypes.DType, where: str) -> np.ndarray:
     """m values (dt's unsigned bit view) from a raw `symbols_rans` section; validates everything."""
     v = _ValuesReader(raw, m, dt, where)
@@ -559,9 +592,10 @@ class _ValuesReader:
 
     __slots__ = ("rd", "m", "dt", "where", "literal", "escape", "table", "stream", "alphabet", "model")
 
-    def __init__(self, raw: bytes | memoryview, m: int, dt: dtypes.DType, where: str, joint: bool = False):
-        """joint: a `symbols_joint` section (v5): the symbols' model only, no words (they
-        are the positions section's joint stream): `model` is read, `stream` is None."""
+    def __init__(self, raw: bytes | memoryview, m: int, dt: dtypes.DType, where: str, coding: str = "rans"):
+        """coding "joint": a `symbols_joint` section (v5): the symbols' model only, no words
+        (they are the positions section's joint stream): `model` is read, `stream` is None;
+        "prefix": a `symbols_prefix` section (v6): `model` is the symbols' code lengths."""
         self.rd = rd = Reader(raw)
         self.m, self.dt, self.where = m, dt, where
         self.literal = literal = rd.varint(f"{where}: symbols table size", VALUE_ALPHABET)
@@ -571,9 +605,15 @@ class _ValuesReader:
         self.table = table = rd.take(literal * dt.itemsize, f"{where}: symbols table").view(dt.bits_numpy)
         if literal > 1 and np.any(table[1:] <= table[:-1]):
             raise PositionsError(f"{where}: symbols table not strictly increasing")
-        if joint:
+        if coding == "joint":
             self.stream, self.model = None, read_model(rd, literal + escape, f"{where}: symbols")
             self.alphabet = self.model.size
+        elif coding == "prefix":
+            alphabet = rd.varint(f"{where}: symbols alphabet", literal + escape)
+            if alphabet == 0:
+                raise PositionsError(f"{where}: symbols alphabet is empty")
+            self.stream, self.model = None, prefix.read_lengths(rd, alphabet, f"{where}: symbols")
+            self.alphabet = alphabet
         else:
             self.stream = RansStream.read(rd, literal + escape, f"{where}: symbols", np.int16)
             self.alphabet, self.model = self.stream.alphabet, None
@@ -618,6 +658,48 @@ def choose_op_from_add(add_values: np.ndarray, new_bits: np.ndarray, width: int)
     with _histogram_tables(width) as (table, lines):
         hx, ha = kernels.xor_add_entropies(a, n, table, lines, np.empty(room, a.dtype), np.empty(room, np.int64))
     return Op.ADD if ha < hx else Op.XOR
+
+
+# Integer views of a tensor's value bits by width, for the prefix coder (nemo_dcr.prefix).
+_TORCH_BITS = {1: torch.uint8, 2: torch.int16}
+
+
+def _tensor_record(r: Record, dt: dtypes.DType, numel: int, where: str, prefix_ok: bool,
+                   cctx: zstandard.ZstdCompressor) -> tuple[Record, tuple[_Choice, _Choice] | None]:
+    """A record whose positions and values are torch tensors (on any one device): coded
+    where they are, as `gaps_prefix` + `symbols_prefix` (nemo_dcr.prefix), when the
+    payload's version has them (prefix_ok: 6) and the record is one the host would code
+    as gaps and symbols (>= _PAIR_MIN changes, fewer than one in 16 elements, 1- or 2-byte
+    values, not most of them escaping): (the record with int64 positions and value bits,
+    its two sections). Otherwise (the record with its arrays copied to the host, None),
+    for the host's encodings."""
+    pos, vals = r.positions, r.values
+    if not (isinstance(pos, torch.Tensor) and isinstance(vals, torch.Tensor)) or pos.device != vals.device:
+        raise ValueError(f"{where}: positions and values must be two tensors on one device, or two arrays")
+    if pos.dim() != 1 or vals.dim() != 1:
+        raise ValueError(f"{where}: positions and values must be 1-D, got shapes {tuple(pos.shape)} / "
+                         f"{tuple(vals.shape)}")
+    if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+        raise ValueError(f"{where}: positions must be integers, got {pos.dtype}")
+    if vals.dtype.is_floating_point or vals.dtype.is_complex or vals.element_size() != dt.itemsize:
+        raise ValueError(f"{where}: value width/dtype {vals.dtype} does not match {dt.name} "
+                         f"(expected {dt.itemsize}-byte integer bits)")
+    if vals.numel() != pos.numel():
+        raise ValueError(f"{where}: {vals.numel()} values for {pos.numel()} positions")
+    count = pos.numel()
+    if prefix_ok and dt.itemsize in _TORCH_BITS and _PAIR_MIN <= count and count * 16 < numel:
+        p64 = pos.to(torch.int64)
+        why = prefix.check_order(p64, numel)
+        if why:
+            raise ValueError(f"{where}: {why}")
+        bits = vals.view(_TORCH_BITS[dt.itemsize])
+        distinct, counts = prefix.value_counts(bits, dt.itemsize)
+        chosen = value_table(distinct, counts, count)
+        if chosen is not None:
+            psec, vsec = prefix.encode_prefix(p64, bits, dt.itemsize, *chosen)
+            coded = Record(r.name, dt.name, r.shape, r.op, p64, bits)
+            return coded, (_frame("gaps_prefix", psec, cctx), _frame("symbols_prefix", vsec, cctx))
+    return Record(r.name, r.dtype, r.shape, r.op, pos.cpu().numpy(), vals.cpu().numpy()), None
 
 
 def _positions_unsigned(positions: Any, where: str) -> np.ndarray:
@@ -901,6 +983,14 @@ def _section(obj: dict[str, Any], where: str, cursor: int, limits: DecodeLimits)
     return s
 
 
+def _check_version(encoding: str, kind: str, version: _Version, where: str) -> None:
+    """_Bad when the payload's format version has no such encoding (joint: 5, prefix: 6)."""
+    if encoding in _JOINT and not version.joint:
+        raise _Bad(f"{where}: {kind} encoding {encoding!r} needs format version 5")
+    if encoding in _PREFIX_CODED and not version.prefix:
+        raise _Bad(f"{where}: {kind} encoding {encoding!r} needs format version 6")
+
+
 def _encoding_fields(obj: dict[str, Any], keys: frozenset[str], where: str, version: _Version) -> dict[str, Any]:
     """`_fields` of a positions / values object; one with a section may also say "stored" (v4),
     whatever its encoding: the section's parser checks its bytes either way."""
@@ -937,8 +1027,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
     penc = pobj.get("encoding") if isinstance(pobj, dict) else None
     if not isinstance(penc, str) or penc not in _POSITION_KEYS:  # (a list would not even hash)
         raise _Bad(f"{where}: unknown position encoding {penc!r}")
-    if penc in _JOINT and not version.joint:
-        raise _Bad(f"{where}: position encoding {penc!r} needs format version 5")
+    _check_version(penc, "position", version, where)
     pobj = _encoding_fields(pobj, _POSITION_KEYS[penc], f"{where} positions", version)
     psec = None
     raw = 0
@@ -960,7 +1049,8 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
         if penc == "runs":
             # Each run is 2 varints of 1..10 bytes, and there are 1..count runs.
             lo, hi = (2, 20 * count) if count else (0, 0)
-        else:  # gaps_rans / gaps_joint: at least shift, alphabet, one frequency, word count; ~32 bytes a gap
+        else:  # gaps_rans / _joint / _prefix: at least shift, alphabet, one frequency or length, a
+            # word or byte count; ~32 bytes a gap
             lo, hi = (4, 32 * count + 4096) if count else (1, 0)
             decoded += 4 * count
         if not lo <= psec.raw_length <= hi:
@@ -971,11 +1061,11 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
     venc = vobj.get("encoding") if isinstance(vobj, dict) else None
     if not isinstance(venc, str) or venc not in _VALUE_KEYS:
         raise _Bad(f"{where}: unknown value encoding {venc!r}")
-    if venc in _JOINT and not version.joint:
-        raise _Bad(f"{where}: value encoding {venc!r} needs format version 5")
-    if (penc == "gaps_joint") != (venc == "symbols_joint"):
-        raise _Bad(f"{where}: 'gaps_joint' positions and 'symbols_joint' values come together "
-                   f"(got {penc!r} / {venc!r})")
+    _check_version(venc, "value", version, where)
+    for pair in _PAIRED:
+        if (penc == pair[0]) != (venc == pair[1]):
+            raise _Bad(f"{where}: {pair[0]!r} positions and {pair[1]!r} values come together "
+                       f"(got {penc!r} / {venc!r})")
     vobj = _encoding_fields(vobj, _VALUE_KEYS[venc], f"{where} values", version)
     width = _int(vobj["width"], f"{where} values width")
     if width != dt.itemsize:
@@ -987,7 +1077,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
         if vsec.raw_length != m * width:
             raise _Bad(f"{where}: values section holds {vsec.raw_length} bytes, "
                        f"{m} values x width {width} needs {m * width} (values count != positions count)")
-    else:  # symbols_rans / symbols_joint (the same bounds: the joint one is smaller)
+    else:  # symbols_rans / _joint / _prefix (the same bounds: the other two are smaller)
         if m == 0 or not 4 <= vsec.raw_length <= (width + 24) * m + 16 * VALUE_ALPHABET:
             raise _Bad(f"{where}: values raw size {vsec.raw_length} impossible for {m} symbols")
         decoded += 4 * m
@@ -1040,8 +1130,9 @@ def _check_no_overlap(records: list[Record]) -> None:
             raise _Bad(f"duplicate record {name!r} with overlapping positions")
 
 
-def _overlap(arrays: list[np.ndarray]) -> bool:
-    allp = np.sort(np.concatenate(arrays))
+def _overlap(arrays: list) -> bool:
+    """Whether position arrays (or tensors, on any device) share a position."""
+    allp = np.sort(np.concatenate([a.cpu().numpy() if isinstance(a, torch.Tensor) else a for a in arrays]))
     return bool(allp.size > 1 and np.any(allp[1:] == allp[:-1]))
 
 
@@ -1085,10 +1176,14 @@ def _decode_record(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompr
         with _AsBad(f"{where} positions"):
             if m.positions_encoding == "runs":
                 pos = decode_runs(raw, m.count, m.numel)
+            elif m.positions_encoding == "gaps_prefix":
+                gaps = prefix.PrefixGaps(raw, m.count)
             else:  # gaps_rans / gaps_joint (the header parser admits no other encoding with a section)
                 gaps = GapsReader(raw, m.count, joint=m.positions_encoding == "gaps_joint")
     if m.positions_encoding == "gaps_joint":
         return _decode_joint(m, body, dctx, where, gaps)
+    if m.positions_encoding == "gaps_prefix":
+        return _decode_prefix(m, body, dctx, where, gaps)
     values = _paired_values(m, body, dctx, where, gaps)
     if values is not None:
         # Both rANS streams in one pass; each stream's errors are raised where the single
@@ -1123,10 +1218,25 @@ def _decode_joint(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompre
     the joint stream (in the positions section; its errors are the positions')."""
     with _AsBad(f"{where} values"):
         values = _ValuesReader(_section_bytes(body, m.values, f"{where} values", dctx), m.count, m.dtype, where,
-                               joint=True)
+                               coding="joint")
     with _AsBad(f"{where} positions"):
         qsym, vsym = decode_joint(gaps.model, values.model, gaps.words, m.count)
         pos = gaps.positions(qsym, m.numel)
+    with _AsBad(f"{where} values"):
+        vals = values.values(vsym)
+    return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
+
+
+def _decode_prefix(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor, where: str,
+                   gaps: prefix.PrefixGaps) -> Record:
+    """A `gaps_prefix` / `symbols_prefix` record: both sections read up to their codes, then
+    the bit stream (in the positions section; its errors are the positions')."""
+    with _AsBad(f"{where} values"):
+        values = _ValuesReader(_section_bytes(body, m.values, f"{where} values", dctx), m.count, m.dtype, where,
+                               coding="prefix")
+    with _AsBad(f"{where} positions"):
+        qsym, gaps_, vsym = gaps.split(values.model)
+        pos = gaps.positions(qsym, gaps_, m.numel)
     with _AsBad(f"{where} values"):
         vals = values.values(vsym)
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)

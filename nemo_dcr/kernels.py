@@ -54,6 +54,16 @@ def _jit(f):
     return _numba.njit(cache=True, nogil=True)(f)
 
 
+def _jit_inline(f):
+    """_jit for a helper of a hot loop, inlined by numba into its callers (so that the
+    callers' scalars stay in registers across calls)."""
+    if _numba is None:
+        f.py_func = f
+        return f
+    return _numba.njit(cache=True, nogil=True, inline="always")(f)
+
+
+
 # ======================================================================== diff
 
 
@@ -356,14 +366,32 @@ def rice_shift(p, cap):
     total = 0
     for j in range(k):
         total += g[j]
-    mean = total / k
-    if mean < 2.0:
+    base = rice_base(total, k)
+    if base < 0:
         return 0
-    base = max(0, int(np.floor(np.log2(mean))) - 2)
     top = 4 * cap + 3
     h0 = np.zeros(top + 1, np.int64)
     for j in range(k):
         h0[min(g[j] >> base, top)] += 1
+    return rice_pick(h0, base, k, cap)
+
+
+@_jit
+def rice_base(total, k):
+    """The smallest shift `rice_pick` weighs for k gaps summing to `total`: two below
+    log2 of their mean; -1 when the mean is below 2 (the shift is then 0)."""
+    mean = total / k
+    if mean < 2.0:
+        return -1
+    return max(0, int(np.floor(np.log2(mean))) - 2)
+
+
+@_jit
+def rice_pick(h0, base, k, cap):
+    """Of shifts base, base + 1, base + 2, the one whose capped quotients cost the fewest
+    estimated bits (see rice_shift), given h0: the histogram of min(g >> base, 4 * cap + 3)
+    over k gaps."""
+    top = 4 * cap + 3
     below = np.zeros(top + 2, np.int64)  # below[b]: quotients by base in bins < b
     for b in range(top + 1):
         below[b + 1] = below[b] + h0[b]
@@ -523,15 +551,17 @@ def _pack_low_bits(p, r, low):
 
 
 @_jit
-def gaps_join(sym, esc, r, low, excess, max_pos, out):
+def gaps_join(sym, esc, r, low, excess, max_pos, out, packed):
     """Inverse of gaps_split with every check: positions into int64 `out`, each <= max_pos
-    (numel - 1, so that numel = 2**63 fits an int64). esc < 0: no escape symbol.
+    (numel - 1, so that numel = 2**63 fits an int64). esc < 0: no escape symbol. The gaps'
+    low bits are packed in `low` (gaps_rans), or, without `packed`, the low r bits of
+    out[i] (as prefix_split leaves them; `low` is then unused).
 
     Returns 0, or -1 truncated low bits, -2 non-zero padding, -3 escapes count mismatch,
     -4 gap beyond 2**63, -5 position > max_pos."""
     m = sym.size
     nlow = low.size
-    if r and (m * r + 7) // 8 != nlow:
+    if packed and r and (m * r + 7) // 8 != nlow:
         return -1
     big = (1 << 63) - 1
     prev = -1
@@ -557,7 +587,9 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out):
         if q > (big >> r):
             return -4
         g = q << r
-        if r <= 32:
+        if not packed:
+            g |= out[i] & lowmask
+        elif r <= 32:
             if nbits < r:
                 w = 0
                 for k in range(4):
@@ -587,10 +619,135 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out):
         return -3
     # padding bits after the last gap must be zero
     bitpos = m * r
-    while bitpos < 8 * nlow:
+    while packed and bitpos < 8 * nlow:
         if (np.int64(low[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1:
             return -2
         bitpos += 1
+    return 0
+
+
+# ======================================================================== prefix codes (v6)
+
+
+@_jit
+def _be64(b, at):
+    """Bytes at..at+7 of b as a big-endian uint64 (the caller keeps at + 8 <= b.size)."""
+    w = np.uint64(0)
+    for k in range(8):
+        w = (w << np.uint64(8)) | np.uint64(b[at + k])
+    return w
+
+
+
+
+PREFIX_LANES = 4  # change i's bits are in lane i % 4: four chains for the decoder to overlap
+
+
+@_jit_inline
+def _prefix_code(a, na, table, bits):
+    """(a, na, symbol, status) after the code at the top of the bit buffer a: looked up
+    in a decode table of 2**bits slots (-1: no code starts there: status -2, symbol 0)."""
+    e = np.int64(table[a >> np.uint64(64 - bits)])
+    st = 0
+    if e < 0:
+        st = -2
+        e = 0
+    k = e & 15
+    return a << np.uint64(k), na - k, e >> 4, st
+
+
+@_jit_inline
+def _prefix_change(buf, t, end, a, na, r, q_table, q_bits, v_table, v_bits):
+    """One change of a lane (see prefix_split): the lane's state (next byte t, bits a, of
+    which the top na are valid) in and out, with the change's quotient symbol, value
+    symbol, r low bits and status (0, -1 the lane ends inside it, -2 an unknown code).
+    Written for scalars so that four lanes' states stay in registers: inlined, and
+    called four times in a row, their chains overlap. Errors set the status and go on
+    with harmless values (the caller stops after the four): no early return."""
+    st = 0
+    if t > end + 8:  # past the lane's end and the zeros after it
+        st = -1
+        t = end
+    # A refill without a branch, to >= 56 valid bits: a whole word, shifted (the bytes
+    # only partly taken are taken again next time). Both codes (<= 13 bits each) and
+    # low bits of up to 30 fit; wider ones refill again below.
+    a |= _be64(buf, t) >> np.uint64(na)
+    t += (63 - na) >> 3
+    na |= 56
+    a, na, q, sq = _prefix_code(a, na, q_table, q_bits)
+    a, na, v, sv = _prefix_code(a, na, v_table, v_bits)
+    if sq | sv:
+        st = -2
+    lowbits = np.uint64(0)
+    if r > 30:  # the high r - 30 bits first, then a refill for the rest
+        hi = r - 30
+        lowbits = a >> np.uint64(64 - hi)
+        a <<= np.uint64(hi)
+        na -= hi
+        if t > end + 8:
+            st = -1
+            t = end
+        a |= _be64(buf, t) >> np.uint64(na)
+        t += (63 - na) >> 3
+        na |= 56
+        lowbits = (lowbits << np.uint64(30)) | (a >> np.uint64(34))
+        a <<= np.uint64(30)
+        na -= 30
+    elif r:
+        lowbits = a >> np.uint64(64 - r)
+        a <<= np.uint64(r)
+        na -= r
+    return t, a, na, q, v, lowbits, st
+
+
+@_jit
+def prefix_split(buf, starts, ends, r, q_table, q_bits, v_table, v_bits, qsym, gaps, vsym):
+    """Split the PREFIX_LANES bit streams of a `gaps_prefix` section (docs/wire-format.md)
+    of qsym.size changes. Change i is in lane i % PREFIX_LANES, MSB first: its quotient's
+    code, its value symbol's code, its gap's r low bits. Lane l is buf[starts[l]:ends[l]],
+    followed by 16 zero bytes (so that a whole word can always be read). Quotient symbols
+    go to qsym, value symbols to vsym, and (q << r) | low bits to gaps (wrapping around
+    where that overflows: gaps_join, which turns them into positions, checks q first).
+
+    A code's decode table (prefix.decode_table) has 2**bits slots, indexed by the lane's
+    next `bits` bits: (symbol << 4) | the code's length, or -1 where no code starts.
+
+    Returns 0, or -1 a lane ends inside a change, -2 a code not in its table,
+    -3 non-zero padding or bytes after a lane's last change."""
+    m = qsym.size
+    t0, t1, t2, t3 = starts[0], starts[1], starts[2], starts[3]
+    e0, e1, e2, e3 = ends[0], ends[1], ends[2], ends[3]
+    a0 = a1 = a2 = a3 = np.uint64(0)
+    n0 = n1 = n2 = n3 = 0
+    ur = np.uint64(r)
+    for i in range(0, m, 4):
+        t0, a0, n0, q, v, lo, st = _prefix_change(buf, t0, e0, np.uint64(a0), n0, r, q_table, q_bits, v_table, v_bits)
+        qsym[i], vsym[i], gaps[i] = q, v, np.int64((np.uint64(q) << ur) | np.uint64(lo))
+        if i + 1 < m:
+            t1, a1, n1, q, v, lo, s1 = _prefix_change(buf, t1, e1, np.uint64(a1), n1, r, q_table, q_bits,
+                                                             v_table, v_bits)
+            qsym[i + 1], vsym[i + 1], gaps[i + 1] = q, v, np.int64((np.uint64(q) << ur) | np.uint64(lo))
+            st |= s1
+        if i + 2 < m:
+            t2, a2, n2, q, v, lo, s2 = _prefix_change(buf, t2, e2, np.uint64(a2), n2, r, q_table, q_bits,
+                                                             v_table, v_bits)
+            qsym[i + 2], vsym[i + 2], gaps[i + 2] = q, v, np.int64((np.uint64(q) << ur) | np.uint64(lo))
+            st |= s2
+        if i + 3 < m:
+            t3, a3, n3, q, v, lo, s3 = _prefix_change(buf, t3, e3, np.uint64(a3), n3, r, q_table, q_bits,
+                                                             v_table, v_bits)
+            qsym[i + 3], vsym[i + 3], gaps[i + 3] = q, v, np.int64((np.uint64(q) << ur) | np.uint64(lo))
+            st |= s3
+        if st:  # -1 | -2 is -1: a lane that ends early is reported first
+            return st
+    for ln, t, na in ((0, t0, n0), (1, t1, n1), (2, t2, n2), (3, t3, n3)):
+        n = ends[ln] - starts[ln]
+        used = 8 * (t - starts[ln]) - na  # bits read, zeros past the end included
+        if used > 8 * n:
+            return -1
+        pad = 8 * n - used
+        if pad >= 8 or (pad and (np.int64(buf[ends[ln] - 1]) & ((1 << pad) - 1)) != 0):
+            return -3
     return 0
 
 

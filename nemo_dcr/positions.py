@@ -565,7 +565,7 @@ class GapsReader:
         if np.any(excess > _U64(MAX_NUMEL)):
             raise PositionsError("gaps escaped quotient beyond 2**63")
         out = np.empty(count, np.int64)
-        status = _k.gaps_join(sym, esc, r, low, excess.astype(np.int64), numel - 1, out)
+        status = _k.gaps_join(sym, esc, r, low, excess.astype(np.int64), numel - 1, out, True)
         if status:
             why = {-1: "truncated low bits", -2: "packed bits: non-zero padding",
                    -3: "escape count mismatch", -4: "gap beyond 2**63"}.get(status, f"position >= numel {numel}")

@@ -275,7 +275,9 @@ class Producer:
         freed memory (`nemo_dcr.malloc.keep_freed_memory`): glibc's per-thread arenas
         otherwise fault in fresh pages for every payload (docs/design-notes.md).
         `wire_version`: the format the payloads (and anchors) are written in: 5, or 4 while
-        some receivers still run a release that reads only 4 (docs/wire-format.md)."""
+        some receivers still run a release that reads only 4 (docs/wire-format.md); 6 codes
+        as 5 does here (its prefix-coded records are for changes the codec gets as tensors
+        on a GPU, `nemo_dcr.prefix`, which this producer does not hand it yet)."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:

@@ -7,9 +7,12 @@ already loaded (its kernel scan of every module trips over llvmlite's function t
 """
 
 FORMAT_VERSION = 5  # what payloads are written in by default (and the newest decoders read)
-WRITABLE_VERSIONS = (4, 5)  # what `codec.encode` writes: 5, and 4 for receivers that read only 4
+# What `codec.encode` writes: 5; 4 for receivers that read only 4; 6 for records coded on
+# the device that holds them (prefix codes).
+WRITABLE_VERSIONS = (4, 5, 6)
 
 
 def writable_versions_text() -> str:
-    """WRITABLE_VERSIONS for error messages: "4 or 5"."""
-    return " or ".join(str(v) for v in WRITABLE_VERSIONS)
+    """WRITABLE_VERSIONS for error messages: "4, 5 or 6"."""
+    *first, last = (str(v) for v in WRITABLE_VERSIONS)
+    return f"{', '.join(first)} or {last}" if first else last

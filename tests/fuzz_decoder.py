@@ -91,11 +91,15 @@ def corpus(seed: int = 0) -> list[tuple[bytes, bytes | None]]:
                 out.append((data, key))
                 if op is Op.XOR:
                     out.append((as_v3(codec.encode(Payload(HEADER, recs), key=key, version=4), key), key))
-    # Records of >= 4096 changes: one joint stream (v5), two streams in v4.
+    # Records of >= 4096 changes: one joint stream (v5), two streams in v4, and (handed to
+    # the codec as tensors) one prefix-coded bit stream (v6).
     for op in (Op.XOR, Op.ADD):
         recs = [_record(rng, "f", op, 0.05)]
+        tensors = [Record(r.name, r.dtype, r.shape, r.op, torch.from_numpy(r.positions.astype(np.int64)),
+                          torch.from_numpy(r.values.view(np.int16))) for r in recs]
         for key in (None, KEY):
             out += [(codec.encode(Payload(HEADER, recs), key=key, version=v), key) for v in (5, 4)]
+            out.append((codec.encode(Payload(HEADER, tensors), key=key, version=6), key))
     out.append((codec.encode(Payload(HEADER, []), key=None), None))
     return out
 
@@ -234,7 +238,7 @@ def mutate(data: bytes, key: bytes | None, rng: random.Random) -> tuple[bytes, b
         return bytes(b[:i] + b[i + rng.randint(1, 32):]), key, kind
     version, flags, header, body = _split(data)
     if kind == "version":
-        others = [v for v in (0, 1, 2, 3, 4, 5, 65535) if v != version]  # 3 <-> 4: the other rules apply
+        others = [v for v in (0, 1, 2, 3, 4, 5, 6, 7, 65535) if v != version]  # 3 <-> 4: the other rules apply
         return _seal(rng.choice(others), flags, header, body, key), key, kind
     if kind == "wrong-key":
         return _seal(version, flags | 1, header, body, b"another-key"), KEY, kind

@@ -341,9 +341,9 @@ def test_bad_magic_version_flags():
     e = reject(b"XDCR" + data[4:], "bad magic")
     assert e.payload_id is None
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=6), "unsupported format version 6 (this decoder reads 3, 4 and 5)")
+    reject(rejoin(header, secs, version=7), "unsupported format version 7 (this decoder reads 3, 4, 5 and 6)")
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3, 4 and 5)")
+    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3, 4, 5 and 6)")
     _, header, secs = split(data)
     reject(rejoin(header, secs, version=1), "unsupported format version 1")
     _, header, secs = split(data)

@@ -107,7 +107,7 @@ def test_wire_version_reaches_the_trainer(monkeypatch):
     assert from_generation_config(example_generation()).trainer_kwargs()["wire_version"] == 5
     assert from_generation_config(with_dcr(wire_version=4)).trainer_kwargs()["wire_version"] == 4
     for bad in (3, "4", True):
-        with pytest.raises(ConfigError, match=rf"{P}.wire_version must be 4 or 5 \(the wire formats payloads can "
+        with pytest.raises(ConfigError, match=rf"{P}.wire_version must be 4, 5 or 6 \(the wire formats payloads can "
                                               rf"be written in\), got {bad!r}"):
             from_generation_config(with_dcr(wire_version=bad))
 

@@ -45,8 +45,8 @@ def test_payloads_are_v5_by_default_and_v4_on_request():
             np.testing.assert_array_equal(x.values, y.values)
 
 
-@pytest.mark.parametrize("bad", [3, 6, "5", True, None])
+@pytest.mark.parametrize("bad", [3, 7, "5", True, None])
 def test_unknown_wire_version_is_refused(bad):
-    with pytest.raises(ValueError, match=rf"wire_version must be 4 or 5 \(the formats payloads can be written in\), "
+    with pytest.raises(ValueError, match=rf"wire_version must be 4, 5 or 6 \(the formats payloads can be written in\), "
                                          rf"got {bad!r}"):
         _payloads(wire_version=bad)
