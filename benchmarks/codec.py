@@ -14,6 +14,9 @@ Neither term charges for describing the model (counts, tables); the codec pays t
 NeMo-RL-style reference: sorted positions as gaps (uint16 if all fit, else uint32) plus
 the XOR values as uint16, concatenated, then zstd level 1 (one frame per tensor).
 Every payload whose size is reported is decoded and checked against what was encoded.
+The device coder: the same records handed to the codec as torch tensors, written as format
+v6 (prefix codes, nemo_dcr.prefix; here on the CPU, the same torch code a GPU runs), beside
+format v5's joint rANS streams: bytes, and the receiver's decode time per change of each.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import zstandard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,24 +92,55 @@ def sparse_raw_bytes(pos: np.ndarray) -> int:
     return pos.size * ((2 if int(gaps.max()) < (1 << 16) else 4) + 2)
 
 
-def encode_checked(payload: Payload, dense: str = "auto") -> tuple[bytes, float]:
+def encode_checked(payload: Payload, dense: str = "auto", version: int = codec.FORMAT_VERSION
+                   ) -> tuple[bytes, float]:
     """(the encoded payload, seconds to encode it), after checking that it decodes to exactly
-    its records (the decode is not timed): every size reported is of a payload that works."""
+    its records (the decode is not timed): every size reported is of a payload that works.
+    Records whose arrays are tensors are checked against their host copies."""
     t = time.perf_counter()
-    data = codec.encode(payload, dense=dense)
+    data = codec.encode(payload, dense=dense, version=version)
     secs = time.perf_counter() - t
     back = codec.decode(data).records
     for want, got in zip(payload.records, back, strict=True):
+        wpos, wval = (x.numpy() if isinstance(x, torch.Tensor) else x for x in (want.positions, want.values))
         if (got.name, Op(got.op)) != (want.name, Op(want.op)) or not (
-                np.array_equal(got.positions, want.positions) and np.array_equal(got.values, want.values)):
+                np.array_equal(got.positions, wpos.astype(np.uint64))
+                and np.array_equal(got.values, wval.view(got.values.dtype))):
             raise SystemExit(f"codec benchmark: record {want.name!r} does not decode to what was encoded")
     return data, secs
 
 
-def encode_record(name, n, op, pos, vals, dense="auto") -> tuple[int, float]:
+def as_tensors(records: list[Record]) -> list[Record]:
+    """BF16 records with their positions and value bits as (CPU) tensors: what the codec
+    codes where they are, in format v6."""
+    return [Record(r.name, r.dtype, r.shape, r.op, torch.from_numpy(np.asarray(r.positions, np.int64)),
+                   torch.from_numpy(np.ascontiguousarray(r.values).view(np.int16))) for r in records]
+
+
+def best_decode_s(data: bytes, repeats: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        codec.decode(data)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def device_coded(records: list[Record], host: bytes) -> dict:
+    """The records coded as a GPU producer would (format v6, nemo_dcr.prefix) beside `host`
+    (their v5 payload): bytes, encode seconds (torch on this CPU) and decode ns a change of both."""
+    data, secs = encode_checked(Payload(HDR, as_tensors(records)), version=6)
+    changes = max(sum(len(r.positions) for r in records), 1)
+    return {"prefix_bytes": len(data), "prefix_encode_s": secs,
+            "prefix_decode_ns": best_decode_s(data) / changes * 1e9,
+            "joint_decode_ns": best_decode_s(host) / changes * 1e9}
+
+
+def encode_record(name, n, op, pos, vals, dense="auto", device_too=False) -> tuple:
+    """(bytes, encode seconds) of one record; with device_too, and device_coded's dict."""
     rec = Record(name, "BF16", (n,), op, pos.astype(np.uint64), vals)
     data, secs = encode_checked(Payload(HDR, [rec]), dense)
-    return len(data), secs
+    return (len(data), secs, device_coded([rec], data)) if device_too else (len(data), secs)
 
 
 def ulp_delta(n: int, rate: float, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -118,13 +153,15 @@ def ulp_delta(n: int, rate: float, rng) -> tuple[np.ndarray, np.ndarray, np.ndar
     return old, new, pos
 
 
-def analyse(name: str, n: int, pos: np.ndarray, old_v: np.ndarray, new_v: np.ndarray) -> dict:
-    """Sizes for one tensor's delta: ours (auto op, xor, add), bound, NeMo-RL-style."""
+def analyse(name: str, n: int, pos: np.ndarray, old_v: np.ndarray, new_v: np.ndarray,
+            device_too: bool = False) -> dict:
+    """Sizes for one tensor's delta: ours (auto op, xor, add), bound, NeMo-RL-style; with
+    device_too, also the device coder's (device_coded) for the chosen op."""
     xv = (old_v ^ new_v).astype(np.uint16)
     av = (new_v.astype(np.int32) - old_v.astype(np.int32)).astype(np.uint16)
     op = codec.choose_op(xv, av, 2)
-    sx, tx = encode_record(name, n, Op.XOR, pos, xv)
-    sa, ta = encode_record(name, n, Op.ADD, pos, av)
+    sx, tx, *dx = encode_record(name, n, Op.XOR, pos, xv, device_too=device_too and op is Op.XOR)
+    sa, ta, *da = encode_record(name, n, Op.ADD, pos, av, device_too=device_too and op is Op.ADD)
     ours, secs = (sx, tx) if op is Op.XOR else (sa, ta)
     pb, binom, hg = position_bound_bits(pos, n)
     hx, ha = codec.values_entropy_bits(xv, 2), codec.values_entropy_bits(av, 2)
@@ -135,14 +172,14 @@ def analyse(name: str, n: int, pos: np.ndarray, old_v: np.ndarray, new_v: np.nda
             "bound_bytes": bound, "pos_bound_bits": pb, "pos_binom_bits": binom, "pos_gap_entropy_bits": hg,
             "val_entropy_xor_bits": hx, "val_entropy_add_bits": ha,
             "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv), "dense_xor_zstd_bytes": dense_xor_zstd_bytes(n, pos, xv),
-            "sparse_raw_bytes": sparse_raw_bytes(pos)}
+            "sparse_raw_bytes": sparse_raw_bytes(pos), **(dx or da or [{}])[0]}
 
 
 def synthetic(args, rng) -> list[dict]:
     rows = []
     for rate in args.rates:
         old, new, pos = ulp_delta(args.n, rate, rng)
-        row = analyse(f"synthetic-{rate:g}", args.n, pos, old[pos], new[pos])
+        row = analyse(f"synthetic-{rate:g}", args.n, pos, old[pos], new[pos], device_too=True)
         rows.append(row)
         print(f"  synthetic {rate:>6.1%}: wire {row['wire_bytes']:>10,} B  bound {row['bound_bytes']:>12,.0f} B  "
               f"x{row['wire_bytes'] / row['bound_bytes']:.3f}  NeMo-RL-style {row['nemo_rl_bytes']:>10,} B  "
@@ -204,13 +241,16 @@ def real_model(args) -> list[dict]:
                 op = codec.choose_op(xv, av, 2)
                 payload.records.append(Record(name, "BF16", (o.size,), op, pos.astype(np.uint64),
                                               xv if op is Op.XOR else av))
-        one = len(encode_checked(payload)[0])
+        host = encode_checked(payload)[0]
+        one = len(host)
+        device = device_coded(payload.records, host)
         res = {"lr": lr, "params": nparams, "steps": args.steps, "changed": tot["changed"],
                "rate": tot["changed"] / nparams, "wire_bytes": tot["wire_bytes"], "one_payload_bytes": one,
                "bound_bytes": tot["bound_bytes"], "nemo_rl_bytes": tot["nemo_rl_bytes"],
                "dense_xor_zstd_bytes": tot["dense_xor_zstd_bytes"], "sparse_raw_bytes": tot["sparse_raw_bytes"],
                "wire_xor_only": tot["wire_xor"], "wire_add_only": tot["wire_add"],
-               "ops": {op: sum(1 for r in rows if r["op"] == op) for op in ("xor", "add")}, "tensors": rows}
+               "ops": {op: sum(1 for r in rows if r["op"] == op) for op in ("xor", "add")}, "tensors": rows,
+               **device}
         out.append(res)
         print(f"  real lr={lr:g} ({nparams / 1e6:.1f}M params, {res['rate']:.2%} changed): wire {one:,} B "
               f"(one payload)  bound {res['bound_bytes']:,.0f} B  x{one / res['bound_bytes']:.3f}  NeMo-RL-style "
@@ -331,6 +371,13 @@ def main() -> None:
         print(f"| {label} | {r['rate']:.2%} | {ours:,} | " + " | ".join(
             f"{r[k]:,} ({ours / r[k]:.2f})" for k in ("nemo_rl_bytes", "dense_xor_zstd_bytes", "sparse_raw_bytes"))
             + " |")
+    print("\nThe device coder (format v6: prefix codes, coded where the tensors are; torch on this CPU) beside v5:")
+    print("| data | change rate | v5 bytes | v6 bytes | v6/v5 | decode v5 ns/change | decode v6 ns/change |")
+    print("|---|---|---|---|---|---|---|")
+    for label, r, ours in ([(f"synthetic +-1 ULP, {args.n:,} elts", r, r["wire_bytes"]) for r in syn]
+                           + [(f"real, AdamW lr={r['lr']:g}", r, r["one_payload_bytes"]) for r in real]):
+        print(f"| {label} | {r['rate']:.2%} | {ours:,} | {r['prefix_bytes']:,} | {r['prefix_bytes'] / ours:.4f} | "
+              f"{r['joint_decode_ns']:.1f} | {r['prefix_decode_ns']:.1f} |")
     print(f"\ndense crossover (coded dense < sparse) at change rate: {sw['crossover_rate']}")
     print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
 
