@@ -6,6 +6,7 @@ real producer (`nemo_dcr.sender.Producer`), beside memcpy of the same bytes.
     python benchmarks/trainer_speed.py --device cuda   # the weights on a GPU (results/trainer_speed_cuda.*)
     python benchmarks/trainer_speed.py --layout model  # ~40 s; a whole model's tensors (results/trainer_speed_model.*)
     python benchmarks/trainer_speed.py --encode-threads 2  # payloads encoded on 2 more threads (..._threads2.*)
+    python benchmarks/trainer_speed.py --device cuda --wire-version 6  # placed and coded on the GPU (..._cuda_v6.*)
 
 Set-up: 4 row-parallel BF16 weights of 4096 x 4096 (64M elements, 128 MiB; --smoke:
 4 x 512 x 512), each placed by a strided piece into a 4096 x 8192 canonical tensor (TP
@@ -36,7 +37,11 @@ With --device cuda the weights live on the GPU: the producer diffs them there ag
 device mirror of the baseline (one `ne` + `nonzero` per chunk) and copies only the
 changes to the host, where placement and encoding run on one core; memcpy is then a
 device-to-device copy of the same bytes (the GPU's memory bandwidth), so the ratio says
-how far the host-side work is from the device's speed.
+how far the host-side work is from the device's speed. With --wire-version 6 as well, the
+changes stay on the GPU: placed, gathered into records and coded there (format v6's prefix
+streams, `Producer(device_coding="gpu")`); only the baseline's positions and new bits and
+the payloads' bytes reach the host. --device-coding always runs that torch path on CPU
+weights (slow: a check that it runs, not a measurement of it).
 """
 
 from __future__ import annotations
@@ -210,6 +215,10 @@ def main() -> None:
     ap.add_argument("--encode-threads", type=int, default=0,
                     help="Producer(encode_threads=N): N more threads encode payloads while one diffs; the rate "
                          "is then the refit's wall time (results: trainer_speed[_model]_threadsN.*)")
+    ap.add_argument("--wire-version", type=int, default=codec.FORMAT_VERSION,
+                    help="Producer(wire_version=...): 6 codes the changes of GPU weights on the GPU")
+    ap.add_argument("--device-coding", choices=("gpu", "always", "never"), default="gpu",
+                    help="Producer(device_coding=...), with --wire-version 6")
     ap.add_argument("--out", default=None,
                     help="results JSON (default: benchmarks/results/trainer_speed.json; with --smoke, the temp dir)")
     args = ap.parse_args()
@@ -224,7 +233,9 @@ def main() -> None:
     if cuda and not torch.cuda.is_available():
         sys.exit(f"trainer_speed: --device {args.device} needs a CUDA GPU, and torch sees none")
     name = ("trainer_speed" + ("_model" if args.layout == "model" else "") + ("_cuda" if cuda else "")
-            + (f"_threads{threads}" if threads else ""))
+            + (f"_threads{threads}" if threads else "")
+            + (f"_v{args.wire_version}" if args.wire_version != codec.FORMAT_VERSION else "")
+            + (f"_coding_{args.device_coding}" if args.device_coding != "gpu" else ""))
     out = results_path(name, args.out, args.smoke)
     load_before = list(os.getloadavg())
     torch.set_num_threads(1)
@@ -253,7 +264,8 @@ def main() -> None:
         for op in ops:
             baseline = Baseline()
             end = KeepingEnd()
-            prod = Producer("p0", owned, maps, specs, baseline, end, op=op, encode_threads=threads)
+            prod = Producer("p0", owned, maps, specs, baseline, end, op=op, encode_threads=threads,
+                            wire_version=args.wire_version, device_coding=args.device_coding)
             # A receiver holding the committed state, to check every refit (outside the timing).
             receiver = TensorStoreRuntime(canonical())
             changed = perturb(params, rate, rng)
@@ -308,6 +320,7 @@ def main() -> None:
     result = {"benchmark": "trainer_speed", "smoke": args.smoke, "device": args.device, "layout": args.layout,
               "tensors": len(owned),
               "gpu": torch.cuda.get_device_name() if cuda else None, "elements": total, "threads": 1 + threads,
+              "wire_version": args.wire_version, "device_coding": args.device_coding,
               "machine": {"python": platform.python_version(), "platform": platform.platform(),
                           "torch": torch.__version__, "numpy": np.__version__,
                           "cpu": _cpu_model(), "load_average_before": load_before,

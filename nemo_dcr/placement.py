@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from nemo_dcr import kernels as _kernels
 
@@ -69,8 +70,16 @@ class Piece:
         piece sits where the local tensor does) the result is `local` itself, not a copy:
         callers do not write to it. `alloc(n, dtype)`: an array the compiled row mapping
         writes into, instead of a new one (the producer's, so that successive chunks'
-        indices lie end to end)."""
+        indices lie end to end).
+
+        `local` may also be a torch tensor, on any device: the indices are then computed
+        there, as int64 (the producer's device coding, format v6)."""
         start = self.local_start - shift
+        if isinstance(local, torch.Tensor):
+            rel = local.to(torch.int64) - start
+            if self.rows <= 1 or self.row_stride == self.cols:
+                return rel + self.offset
+            return self.offset + torch.div(rel, self.cols, rounding_mode="floor") * self.row_stride + rel % self.cols
         out_dtype = np.int32 if local.dtype == np.int32 and self.canonical_stop <= _INT32.max else np.int64
         if local.dtype in (np.int64, np.int32) and (self.rows <= 1 or self.row_stride == self.cols):
             d = self.offset - start
@@ -143,14 +152,19 @@ class AffineMap:
         touched piece, where local[lo:hi] are the positions it places and `monotone`
         says the canonical positions are strictly increasing (Piece.monotone). `local`
         may be int64 or int32 (see Piece.canonical_index for the canonical positions').
-        `alloc(i, n, dtype)`: where piece i's computed positions go (Piece.canonical_index)."""
+        `alloc(i, n, dtype)`: where piece i's computed positions go (Piece.canonical_index).
+        `local` may also be an int64 torch tensor, on any device (the canonical positions
+        are then tensors there)."""
         out = []
-        if local.size == 0:
+        if len(local) == 0:
             return out
         keys = self._bounds - shift
-        if local.dtype == np.int32:  # else np.searchsorted would first copy `local` to int64
-            keys = keys.clip(_INT32.min, _INT32.max).astype(np.int32)
-        found = np.searchsorted(local, keys, side="left")  # every piece's [lo, hi) in one call
+        if isinstance(local, torch.Tensor):
+            found = torch.searchsorted(local, torch.from_numpy(keys).to(local.device)).cpu().numpy()
+        else:
+            if local.dtype == np.int32:  # else np.searchsorted would first copy `local` to int64
+                keys = keys.clip(_INT32.min, _INT32.max).astype(np.int32)
+            found = np.searchsorted(local, keys, side="left")  # every piece's [lo, hi) in one call
         for i, p in enumerate(self.pieces):
             lo, hi = int(found[i]), int(found[len(self.pieces) + i])
             if hi > lo:

@@ -76,7 +76,7 @@ class _PayloadBuilder:
             increasing: bool = False) -> None:
         self.parts.setdefault((name, op), []).append(
             (positions, values, new if self.track_new else None, increasing))
-        self.elements += positions.size
+        self.elements += len(positions)
 
     def clear(self) -> None:
         self.parts, self.elements = {}, 0
@@ -109,6 +109,14 @@ class _Batch:
         arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
         cat = arena.concatenate
         for (name, op), parts in self.parts.items():
+            if isinstance(parts[0][0], torch.Tensor):  # kept on their device: coded there (v6)
+                record, new = _device_record(name, op, parts, specs[name])
+                records.append(record)
+                if new is not None:
+                    t = time.perf_counter()
+                    digests[name] = region_digest(record.positions.cpu().numpy().view(np.uint64), new.cpu().numpy())
+                    digest_s += time.perf_counter() - t
+                continue
             # uint32 when every part is (in-place pieces: codec.encode takes them as they
             # are); else uint64, 32-bit parts widening on the way
             pos = cat([p for p, _, _, _ in parts],
@@ -133,10 +141,35 @@ class _Batch:
         return records, digests, digest_s
 
 
+def _device_record(name: str, op: Op | str, parts: list, spec) -> tuple[Record, torch.Tensor | None]:
+    """`_Batch.records` for parts kept as tensors on their device: (the record, its
+    tensors concatenated there, sorted; the new bits, or None without them)."""
+    pos = torch.cat([p for p, _, _, _ in parts])
+    if op == AUTO:
+        add = torch.cat([v[0] for _, v, _, _ in parts])
+        newb = torch.cat([v[1] for _, v, _, _ in parts])
+        step = max(1, len(add) // _CHOICE_SAMPLE)  # the choice on a sample, as for host parts
+        op = _choose_op_sampled([(_unsigned(add[::step]), _unsigned(newb[::step]))])
+        val = add if op is Op.ADD else torch.bitwise_xor(newb, newb - add)
+    else:
+        val = torch.cat([v for _, v, _, _ in parts])
+    new = torch.cat([n for _, _, n, _ in parts]) if parts[0][2] is not None else None
+    ordered = all(p[3] for p in parts) and all(int(a[0][-1]) < int(b[0][0]) for a, b in zip(parts, parts[1:]))
+    if len(pos) > 1 and not ordered and not bool((pos[1:] > pos[:-1]).all()):
+        order = torch.argsort(pos, stable=True)
+        pos, val = pos[order], val[order]
+        new = None if new is None else new[order]
+    dtype, shape = spec
+    return Record(name, dtype, tuple(shape), op, pos, val), new
+
+
 def _part_bytes(parts: list) -> int:
     """Arena bytes one record's concatenations take at most (positions, values, new bits;
-    op "auto": add, new bits and the xor computed from them)."""
+    op "auto": add, new bits and the xor computed from them); none for parts kept as
+    tensors on their device."""
     first = parts[0]
+    if isinstance(first[0], torch.Tensor):
+        return 0
     auto = isinstance(first[1], tuple)
     values = (3 if auto else 1) * (first[1][0] if auto else first[1]).itemsize
     per = 8 + values + (first[2].itemsize if first[2] is not None else 0)  # positions as uint64
@@ -263,6 +296,7 @@ class Producer:
         params: dict[str, torch.Tensor] | None = None,
         encode_threads: int = 0,
         wire_version: int = codec.FORMAT_VERSION,
+        device_coding: str = "gpu",
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
@@ -275,9 +309,13 @@ class Producer:
         freed memory (`nemo_dcr.malloc.keep_freed_memory`): glibc's per-thread arenas
         otherwise fault in fresh pages for every payload (docs/design-notes.md).
         `wire_version`: the format the payloads (and anchors) are written in: 5, or 4 while
-        some receivers still run a release that reads only 4 (docs/wire-format.md); 6 codes
-        as 5 does here (its prefix-coded records are for changes the codec gets as tensors
-        on a GPU, `nemo_dcr.prefix`, which this producer does not hand it yet)."""
+        some receivers still run a release that reads only 4 (docs/wire-format.md), or 6.
+        `device_coding` (with wire_version 6): "gpu" (default): the changes of ranges that
+        live on a GPU stay there - placed, gathered into records and coded there (format
+        v6's prefix streams, `nemo_dcr.prefix`); only the positions and new bits the
+        baseline stages and the payloads' bytes reach the host. "always": the same torch
+        code for ranges on the CPU too (slower than the compiled host path; for tests and
+        benchmarks). "never": every range's changes are coded on the host."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
@@ -285,7 +323,10 @@ class Producer:
         if type(wire_version) is not int or wire_version not in codec.WRITABLE_VERSIONS:
             raise ValueError(f"wire_version must be {codec.writable_versions_text()} (the formats payloads can "
                              f"be written in), got {wire_version!r}")
+        if device_coding not in ("gpu", "always", "never"):
+            raise ValueError(f"device_coding must be 'gpu', 'always' or 'never', got {device_coding!r}")
         self.wire_version = wire_version
+        self.device_coding = device_coding
         self.encode_threads = encode_threads
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
         self.op = AUTO if op == AUTO else Op(op)
@@ -427,9 +468,12 @@ class Producer:
             rep.scanned_elements += current.numel()
             rep.scanned_bytes += current.numel() * current.element_size()
             changed = 0
+            # Changes kept on their device and coded there (format v6): see device_coding.
+            on_device = self.wire_version >= 6 and (
+                self.device_coding == "always" or (self.device_coding == "gpu" and current.device.type != "cpu"))
             # CPU bit views with numba: one compiled pass per chunk gives the positions (range
             # relative), the new bits and the values to send; no torch op, no extra pass.
-            fast = _compiled_diff(current, committed)
+            fast = _compiled_diff(current, committed) and not on_device
             if fast:
                 cur, com = current.detach().reshape(-1).numpy(), committed.detach().reshape(-1).numpy()
                 sink = DiffOutput(current.numel())  # the chunks' changes end to end: records take them uncopied
@@ -461,6 +505,17 @@ class Producer:
                     positions_t = delta.positions + lo if lo else delta.positions
                     positions_h, new_h = positions_t.cpu(), delta.new.cpu()  # to the host once each
                     self.baseline.stage(key, positions_h, new_h, on_device=(positions_t, delta.new))
+                    if on_device:
+                        changed += len(positions_t)
+                        rep.times["diff"] += time.perf_counter() - t
+                        t = time.perf_counter()
+                        rep.placed_elements += _place_on_device(builder, amap, positions_t, offset, op, delta)
+                        rep.times["place"] += time.perf_counter() - t
+                        if builder.elements >= self.max_payload_elements:
+                            emit()
+                        elif in_flight:
+                            collect(keep=self.encode_threads)
+                        continue
                     if op == AUTO:
                         both = (_unsigned(delta.add()), _bits_view(new_h.numpy()))
                     else:
@@ -563,6 +618,36 @@ def _run_now(fn, *args) -> Future:
     except BaseException as e:  # raised again where the result is taken, in payload order
         done.set_exception(e)
     return done
+
+
+def _place_on_device(builder: _PayloadBuilder, amap: AffineMap, positions: torch.Tensor, offset: int,
+                     op: Op | str, delta) -> int:
+    """Place a chunk's changes (`diff.Delta`, positions range-relative + chunk start, on
+    their device) through `amap` (local index = offset + position) into the builder as
+    tensors, values and all, where they are. Returns the elements placed."""
+    if op == AUTO:
+        values = (delta.add(), delta.new)
+    else:
+        values = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]()
+    new = delta.new if builder.track_new else None
+    spans = amap.place_spans(positions, offset)
+    groups: dict[str, list] = {}
+    for name, cpos, lo, hi, increasing in spans:
+        groups.setdefault(name, []).append((cpos, lo, hi, increasing))
+    placed = 0
+    for name, pieces in groups.items():
+        if len(pieces) == 1:  # the usual case: one piece of this tensor, a contiguous slice
+            cpos, lo, hi, increasing = pieces[0]
+            src = slice(lo, hi)
+        else:  # several pieces of one canonical tensor: merged in canonical order
+            cpos = torch.cat([c for c, _, _, _ in pieces])
+            src = torch.cat([torch.arange(lo, hi, device=cpos.device) for _, lo, hi, _ in pieces])
+            order = torch.argsort(cpos, stable=True)
+            cpos, src, increasing = cpos[order], src[order], True
+        vals = (values[0][src], values[1][src]) if op == AUTO else values[src]
+        builder.add(name, op, cpos, vals, None if new is None else new[src], increasing)
+        placed += len(cpos)
+    return placed
 
 
 def _placed(amap: AffineMap, local: np.ndarray):

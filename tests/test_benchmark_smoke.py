@@ -49,19 +49,14 @@ def test_codec_benchmark_smoke(tmp_path):
     assert "crossover_rate" in res["sweep"]
 
 
-def test_device_coder_benchmark_smoke(tmp_path):
-    res = _run(["benchmarks/device_coder.py"], tmp_path, "device_coder")  # CPU tensors: the same torch code
-    assert res["benchmark"] == "device_coder" and res["device"] == "cpu" and res["memcpy_gbs"] > 0
-    assert [r["rate"] for r in res["rows"]] == [0.01, 0.05]
-    for row in res["rows"]:
-        assert row["changed"] > 0 and row["wire_bytes"] > 0 and row["v5_bytes"] > 0 and row["gbs"] > 0
-
-
-@pytest.mark.parametrize("layout,threads", [("weights", 0), ("model", 0), ("weights", 2)])
-def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads):
-    res = _run(["benchmarks/trainer_speed.py", "--layout", layout, "--encode-threads", str(threads)], tmp_path,
-               "trainer_speed")
+@pytest.mark.parametrize("layout,threads,coding", [("weights", 0, []), ("model", 0, []), ("weights", 2, []),
+                                                   ("model", 0, ["--wire-version", "6", "--device-coding", "always"])])
+def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads, coding):
+    """The last case: the device-coding path (format v6) on CPU weights, as a GPU runs it."""
+    res = _run(["benchmarks/trainer_speed.py", "--layout", layout, "--encode-threads", str(threads), *coding],
+               tmp_path, "trainer_speed")
     assert res["benchmark"] == "trainer_speed" and res["threads"] == 1 + threads and res["layout"] == layout
+    assert res["wire_version"] == (6 if coding else codec.FORMAT_VERSION)
     assert res["tensors"] == (4 if layout == "weights" else 14)
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0

@@ -49,28 +49,30 @@ def applied(state: list[np.ndarray], payloads: list[bytes]) -> list[np.ndarray]:
     return out
 
 
-def producer(params, baseline: Baseline, op):
+def producer(params, baseline: Baseline, op, **kw):
     owned, maps, specs = [], {}, {}
     for i, t in enumerate(params):
         owned.append(OwnedRange(LocalParam(f"w{i}", (N,), torch.bfloat16), 0, N, t))
         maps[f"w{i}"] = AffineMap(f"w{i}", N, (Piece(f"c{i}", 0, 1, N, 0, N),))
         specs[f"c{i}"] = ("BF16", (N,))
     end = KeepingEnd()
-    return Producer("p0", owned, maps, specs, baseline, end, op=op, chunk_elements=N // 3), end
+    return Producer("p0", owned, maps, specs, baseline, end, op=op, chunk_elements=N // 3, **kw), end
 
 
-@pytest.mark.parametrize("op", [Op.XOR, AUTO])
-def test_gpu_diff_against_a_device_mirror_is_bit_exact_through_commit_and_abort(op):
+@pytest.mark.parametrize("op, wire_version", [(Op.XOR, 5), (AUTO, 5), (Op.XOR, 6), (AUTO, 6)])
+def test_gpu_diff_against_a_device_mirror_is_bit_exact_through_commit_and_abort(op, wire_version):
+    """wire_version 6: the changes stay on the GPU and are coded there (prefix streams)."""
     rng = np.random.default_rng(0)
     params = [(torch.randn(N, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(2)]
     baseline = Baseline()
-    prod, end = producer(params, baseline, op)
+    prod, end = producer(params, baseline, op, wire_version=wire_version)
     receiver = [host_bits(t) for t in params]  # what a receiver holds
     version = 0
     for step, commit in enumerate([True, False, True, True]):
         change(params, 0.03, rng)
         end.payloads.clear()
         rep = prod.refit(TransferInfo(f"t{step}", version, version + 1, ("p0",)))
+        assert any(b'"gaps_prefix"' in d for d in end.payloads) == (wire_version == 6)
         got = applied(receiver, end.payloads)
         assert all(np.array_equal(g, host_bits(t)) for g, t in zip(got, params)), step
         assert rep.changed_elements == sum(int((g != r).sum()) for g, r in zip(got, receiver))
