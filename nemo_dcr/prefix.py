@@ -4,17 +4,18 @@ device holds them (wire format v6: `gaps_prefix` / `symbols_prefix`; docs/wire-f
 Why: the rANS streams (nemo_dcr.joint, nemo_dcr.kernels) code a record's changes one
 after another, four chains at most, which is what a CPU core does well and a GPU does
 not. With prefix codes every change's bits have a length known before anything is
-written - its quotient's code, its gap's r low bits, its value's code - so the offsets
-of all changes are one cumulative sum and the stream is one scatter: a few dozen tensor
-ops per record whatever its size, no per-change loop, no custom kernel. On +-1-ULP
-refits the canonical Huffman codes cost 0.1-0.3% more than the joint rANS stream
-(BENCHMARKS.md): the quotients of well-chosen Rice shifts are near-geometric with ratio
-about 1/2, where prefix codes lose almost nothing.
+written - its quotient's code, its value's code, its gap's r low bits - so the offsets of
+all changes are one cumulative sum (per lane: change i goes to lane i % 4, so that the
+decoder can follow four chains at once) and the stream is one scatter: a few dozen tensor
+ops per record whatever its size, no per-change loop, no custom kernel. On +-1-ULP refits
+the canonical Huffman codes cost 0.3-0.7% more than the joint rANS stream, up to 2.6% on
+real deltas where one value dominates (BENCHMARKS.md): the quotients of well-chosen Rice
+shifts are near-geometric with ratio about 1/2, where prefix codes lose almost nothing.
 
 Sections (everything not named here as in `gaps_rans` / `symbols_rans`):
 
-    gaps_prefix     varint r | varint A1 | A1 code lengths, 4 bits each | varint N |
-                    N bytes of bit stream | escapes
+    gaps_prefix     varint r | varint A1 | A1 code lengths, 4 bits each |
+                    4 varints: the lanes' byte lengths | the lanes | escapes
     symbols_prefix  varint L | varint E | table | varint A2 (= L + E) |
                     A2 code lengths, 4 bits each | escaped values
 
