@@ -83,6 +83,13 @@ class DCRTestExtension(DCRWorkerExtension):
 
             self.dcr_start(checkpoint_dir, "local", {"dir": tempfile.mkdtemp(), "timeout_s": 5}, "rx-test")
 
+    def dcr_test_weight_replaced(self, layers: list[str]) -> dict:
+        """Per layer, whether vLLM's post-load processing replaced its live `weight` with an
+        empty tensor (its CPU kernels then hold a prepacked copy: oneDNN, AMX/VNNI), read
+        from the model itself rather than from the adapter's bookkeeping."""
+        model = self._dcr_model()
+        return {n: model.get_submodule(n).weight.numel() == 0 for n in layers}
+
     def dcr_test_where(self, names: list[str]) -> dict:
         """Where vLLM's loader puts each canonical tensor: [[destination, element offset]]."""
         plans = self._dcr_receiver.runtime._plan(set(names))
