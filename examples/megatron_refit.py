@@ -49,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--sp", action="store_true", help="sequence parallelism (needed to train MoE with TP > 1)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=2e-6)
-    p.add_argument("--op", default="xor", choices=["xor", "add", "overwrite"])
+    p.add_argument("--op", default="auto", choices=["auto", "xor", "add", "overwrite"],
+                   help="how changes travel; auto: xor or add per tensor, whichever codes smaller")
     p.add_argument("--transport", default="local")
     p.add_argument("--transport-config", default="{}", help="JSON object")
     p.add_argument("--receivers", required=True, help="comma-separated receiver ids")
@@ -98,7 +99,6 @@ def main(argv=None) -> int:
     from nemo_dcr.errors import TransferFailed
     from nemo_dcr.layout import LocalParam, ParallelLayout
     from nemo_dcr.malloc import keep_freed_memory
-    from nemo_dcr.records import Op
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
     from nemo_dcr.trainer import TrainerRefit, gather_json
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     if args.encode_threads:
         keep_freed_memory()  # the encoding threads' malloc arenas would otherwise fault in every payload anew
     refit = TrainerRefit(converter, specs, owned, layout, transport, state_dir=args.state_dir,
-                         op=Op(args.op), max_payload_elements=args.max_payload_elements,
+                         op=args.op, max_payload_elements=args.max_payload_elements,
                          encode_threads=args.encode_threads)
     log(f"[trainer] placement checked: every canonical element has exactly one owner; "
         f"baseline {refit.baseline.nbytes / 2**20:.1f} MiB on this rank")

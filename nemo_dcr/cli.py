@@ -284,7 +284,8 @@ def main(argv=None) -> int:
     d.add_argument("--dp", type=int, default=2)
     d.add_argument("--receivers", type=int, default=2)
     d.add_argument("--lr", type=float, default=1e-6)
-    d.add_argument("--op", default="xor", choices=["xor", "add", "overwrite"])
+    d.add_argument("--op", default="auto", choices=["auto", "xor", "add", "overwrite"],
+                   help="how changes travel; auto: xor or add per tensor, whichever codes smaller")
     d.add_argument("--family", default="qwen3", choices=FAMILIES)
     d.add_argument("--ep", type=int, default=1, help="expert parallelism for the MoE families (divides TP x DP)")
     d.add_argument("--sp", action="store_true", help="sequence parallelism (MoE with TP > 1 trains only with it)")

@@ -17,6 +17,13 @@ class Op(str, Enum):
     OVERWRITE = "overwrite"  # value = new bits
 
 
+# What a producer is asked for by default: per canonical tensor and payload, xor or add,
+# whichever codes smaller (sender.Producer; every record it writes is still xor or add).
+# ±1-ULP steps and AdamW deltas code 10-12% smaller as add (BENCHMARKS.md), at no
+# measurable cost; xor stays a choice for data it suits.
+AUTO = "auto"
+
+
 @dataclass(frozen=True)
 class Record:
     """Changes to one canonical tensor.

@@ -26,12 +26,9 @@ from nemo_dcr.layout import OwnedRange
 from nemo_dcr.metrics import page_faults
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
 from nemo_dcr.positions import MAX_NUMEL, check_positions
-from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+from nemo_dcr.records import AUTO, Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 from nemo_dcr.verify import region_digest
-
-AUTO = "auto"  # Producer(op=AUTO): xor or add per record, whichever codes smaller
-
 
 @dataclass
 class ProducerReport:
@@ -288,7 +285,7 @@ class Producer:
         baseline: Baseline,
         end: ProducerEnd,
         *,
-        op: Op | str = Op.XOR,
+        op: Op | str = AUTO,
         max_payload_elements: int = 1 << 20,
         chunk_elements: int = 1 << 22,
         key: bytes | None = None,
@@ -300,8 +297,8 @@ class Producer:
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
-        `op`: xor, add, overwrite, or "auto": per canonical tensor and payload, xor or
-        add, whichever codes smaller (docs/design-notes.md, "Codec").
+        `op`: "auto" (default): per canonical tensor and payload, xor or add, whichever
+        codes smaller (docs/design-notes.md, "Codec"); or xor, add, overwrite for every record.
         `encode_threads`: threads that build and encode full payloads while this one goes
         on diffing (the compiled kernels run without the GIL); 0: it encodes each payload
         itself before it diffs on. Either way the payloads and their bytes are the same,

@@ -24,7 +24,7 @@ from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.errors import ConverterError, TransferFailed
 from nemo_dcr.history import ANCHORS, DELTAS, open_history
 from nemo_dcr.layout import OwnedRange, ParallelLayout
-from nemo_dcr.records import Op
+from nemo_dcr.records import AUTO, Op
 from nemo_dcr.sender import Producer, ProducerReport
 from nemo_dcr.transport import TransferInfo, Transport
 
@@ -117,6 +117,9 @@ class TrainerRefit:
     from disk; otherwise set-up refuses, unless `assume_committed=True` declares that the
     model holds exactly version v's weights (e.g. it was saved when v committed).
 
+    `op`: how changes travel - "auto" (default: xor or add per tensor and payload,
+    whichever codes smaller), xor, add or overwrite (sender.Producer).
+
     `max_attempts`: tries of one transfer before it is aborted (the retries are in place:
     what receivers finished stays, the rest is re-sent as overwrites). `log`: a callable
     taking one line, told about each failed attempt. `wire_version`: the wire format of
@@ -142,7 +145,7 @@ class TrainerRefit:
         transport: Transport,
         *,
         state_dir: str,
-        op: Op = Op.XOR,
+        op: Op | str = AUTO,
         key: bytes | None = None,
         max_payload_elements: int = 1 << 20,
         encode_threads: int = 0,

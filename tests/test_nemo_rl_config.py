@@ -13,7 +13,7 @@ import yaml
 
 from nemo_dcr.integrations.nemo_rl.check import main as check
 from nemo_dcr.integrations.nemo_rl.config import ConfigError, from_generation_config, is_enabled
-from nemo_dcr.records import Op
+from nemo_dcr.records import AUTO, Op
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nemo_rl" / "grpo_dcr.yaml"
 P = "policy.generation.refit_cfg.dcr"
@@ -35,7 +35,7 @@ def with_dcr(**changes) -> dict:
 
 def test_the_shipped_example_validates(monkeypatch, capsys):
     settings = from_generation_config(example_generation())
-    assert settings.transport == "s3" and settings.op is Op.XOR and settings.converter == "qwen3_moe"
+    assert settings.transport == "s3" and settings.op == AUTO and settings.converter == "qwen3_moe"
     assert settings.transport_config == {"bucket": "my-rl-refit", "region": "us-west-2",
                                          "prefix": "grpo-qwen3-30b/run-1"}
     assert settings.baseline_storage == "mmap" and settings.timeout_s == 600.0
@@ -43,6 +43,14 @@ def test_the_shipped_example_validates(monkeypatch, capsys):
     kwargs = settings.trainer_kwargs()
     assert kwargs["key"] == b"s3cret" and kwargs["baseline_dir"] == "/local_nvme/dcr-baseline"
     assert check([str(EXAMPLE)]) == 0 and "OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given,settled", [(None, AUTO), ("auto", AUTO), ("xor", Op.XOR), ("add", Op.ADD)])
+def test_op_defaults_to_auto_and_takes_xor_or_add(given, settled, monkeypatch):
+    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
+    settings = from_generation_config(with_dcr(op=given))
+    assert settings.op == settled and type(settings.op) is type(settled)
+    assert settings.trainer_kwargs()["op"] == settled
 
 
 def test_off_unless_selected():
@@ -64,7 +72,7 @@ def test_a_missing_key_variable_is_named_without_its_value(monkeypatch):
     ({"s3": {"region": "us-west-2"}}, f"{P}.s3.bucket is required by the s3 transport"),
     ({"s3": {"bucket": "b", "bukket": "c"}}, f"{P}.s3.bukket: unknown s3 transport setting"),
     ({"relay": {"nodes": []}}, f"{P}.relay: settings for a transport that is not selected"),
-    ({"op": "overwrite"}, f"{P}.op: 'overwrite' is not one of: xor, add"),
+    ({"op": "overwrite"}, f"{P}.op: 'overwrite' is not one of: auto, xor, add"),
     ({"converter": "gpt-17"}, f"{P}.converter: 'gpt-17' is not one of"),
     ({"baseline": {"storage": "mmap"}}, f"{P}.baseline.dir is required when baseline.storage is mmap"),
     ({"baseline": {"storage": "tape", "dir": "/x"}}, f"{P}.baseline.storage: 'tape' is not one of"),

@@ -63,7 +63,7 @@ def generation_config(tmp: Path, metrics_port: int) -> dict:
                state_dir=str(tmp / "state"), timeout_s=120, metrics_port=metrics_port,
                max_payload_elements=4096)
     dcr["baseline"]["dir"] = str(tmp / "baseline")  # mmap, as in the example
-    assert dcr["key_env"] == KEY_ENV and dcr["verify"] == "every_refit" and dcr["op"] == "xor"
+    assert dcr["key_env"] == KEY_ENV and dcr["verify"] == "every_refit" and dcr["op"] == "auto"
     return gen
 
 
