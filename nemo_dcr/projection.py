@@ -55,11 +55,12 @@ class Costs:
     apply_gbps_per_core: float  # GB/s of changed-element bytes through decode + apply
     memcpy_gbps_per_core: float
     elements: int
+    op: str = "add"  # what the measured records carry (op "auto" chose it)
 
     def describe(self) -> list[str]:
         return [
             f"measured here ({self.elements / 1e6:.0f}M BF16 elements, {self.change_rate:.1%} changed, one core):",
-            f"  wire bytes per changed element  {self.wire_bytes_per_change:.3f} B (real codec, zstd level 1)",
+            f"  wire bytes per changed element  {self.wire_bytes_per_change:.3f} B (real codec, {self.op} records)",
             f"  diff + encode                   {self.scan_gbps_per_core:.2f} GB/s of BF16 scanned",
             f"  decode + apply                  {self.apply_gbps_per_core:.3f} GB/s of changed elements (2 B each)",
             f"  memcpy                          {self.memcpy_gbps_per_core:.2f} GB/s",
@@ -67,7 +68,8 @@ class Costs:
 
 
 def measure_costs(change_rate: float, elements: int = 1 << 24, seed: int = 0) -> Costs:
-    """Run the real diff, codec and an in-memory xor apply on synthetic ±1-ULP BF16 changes."""
+    """Run the real diff, codec and an in-memory apply on synthetic ±1-ULP BF16 changes,
+    with the producer's default op ("auto": xor or add, whichever codes smaller)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -81,11 +83,14 @@ def measure_costs(change_rate: float, elements: int = 1 << 24, seed: int = 0) ->
         memcpy = _best(lambda: committed.clone())
         holder: dict = {}
 
-        def scan():
+        def scan():  # as the producer's default op "auto": xor or add, whichever codes smaller
             d = diff(current, committed)
-            values = d.xor().numpy().view(np.uint16)
-            rec = Record("w", "BF16", (elements,), Op.XOR, d.positions.numpy().astype(np.uint64), values)
+            add, new = d.add().numpy().view(np.uint16), d.new.numpy().view(np.uint16)
+            op = codec.choose_op_from_add(add, new, 2)
+            values = add if op is Op.ADD else d.xor().numpy().view(np.uint16)
+            rec = Record("w", "BF16", (elements,), op, d.positions.numpy().astype(np.uint64), values)
             holder["wire"] = codec.encode(Payload(PayloadHeader("t", 0, 1, "p0", "p0-0"), [rec]))
+            holder["op"] = op.value
 
         scan_s = _best(scan)
         wire = holder["wire"]
@@ -94,7 +99,11 @@ def measure_costs(change_rate: float, elements: int = 1 << 24, seed: int = 0) ->
         def apply():
             rec = codec.decode(wire).records[0]
             idx = torch.from_numpy(rec.positions.astype(np.int64))
-            target[idx] ^= torch.from_numpy(rec.values.view(np.int16))
+            values = torch.from_numpy(rec.values.view(np.int16))
+            if rec.op is Op.ADD:
+                target[idx] += values  # int16 wraps around: (old + add) mod 2**16, as the receivers' apply
+            else:
+                target[idx] ^= values
 
         apply_s = _best(apply, reset=lambda: target.copy_(committed))
         if not torch.equal(target, current):  # a cost is only worth quoting for a bit-exact result
@@ -102,7 +111,7 @@ def measure_costs(change_rate: float, elements: int = 1 << 24, seed: int = 0) ->
         nbytes = elements * 2
         return Costs(change_rate=change_rate, wire_bytes_per_change=len(wire) / k,
                      scan_gbps_per_core=nbytes / scan_s / 1e9, apply_gbps_per_core=2 * k / apply_s / 1e9,
-                     memcpy_gbps_per_core=nbytes / memcpy / 1e9, elements=elements)
+                     memcpy_gbps_per_core=nbytes / memcpy / 1e9, elements=elements, op=holder["op"])
     finally:
         torch.set_num_threads(threads)
 

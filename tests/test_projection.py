@@ -19,6 +19,7 @@ def test_measured_costs_come_from_a_bit_exact_round_trip():
     costs = measure_costs(0.03, elements=1 << 18)
     # +-1 ULP at 3%: a few bits of position entropy plus about one bit of value per change
     assert 0.3 < costs.wire_bytes_per_change < 4.0
+    assert costs.op == "add"  # +-1-ULP steps: two add values against xor's carry chains (the default op's pick)
     assert costs.scan_gbps_per_core > 0 and costs.apply_gbps_per_core > 0 and costs.memcpy_gbps_per_core > 0
 
 
