@@ -231,7 +231,8 @@ def inside(args) -> int:
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                str(REPO / "benchmarks" / "e2e_producer.py"), "--checkpoint", str(ckpt),
                "--transport-config", json.dumps(config), "--state-dir", str(work / "state"),
-               "--rates", ",".join(str(r) for r in rates for _ in range(args.repeats)), "--results", str(rows_path)]
+               "--rates", ",".join(str(r) for r in rates for _ in range(args.repeats)), "--results", str(rows_path),
+               "--op", args.op]
         shutil.rmtree(work / "state", ignore_errors=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         for p in procs:
@@ -268,6 +269,7 @@ def inside(args) -> int:
                 f"pause {r['pause_s']:.2f} s ({r['pause_s'] / full_refit_s:.3f} of a full refit); "
                 f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
         result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
+                  "op": args.op,
                   "params": params, "dense_bytes": dense_bytes, "producers": args.producers,
                   "receivers": len(receivers), "link_gbps_measured": link_bps / 1e9, "memcpy_gbs_per_core": mem,
                   "cores": cores, "dense_transfer_s": dense_s, "dense_load_s": load_s,
@@ -324,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--receivers", type=int, default=2)
     ap.add_argument("--rates", default="0.03,0.05")
     ap.add_argument("--repeats", type=int, default=3, help="refits per rate; the median is reported")
+    ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"],
+                    help="the producers' op (TrainerRefit's default: auto, xor or add per tensor)")
     ap.add_argument("--mbit", type=int, default=1000)
     ap.add_argument("--link-probe-mb", type=int, default=200)
     ap.add_argument("--no-shape", action="store_true", help="run on the plain loopback (no namespace, no root)")

@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--state-dir", required=True)
     ap.add_argument("--rates", required=True, help="comma-separated change rates, one refit each")
     ap.add_argument("--results", required=True)
+    ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"])
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -70,7 +71,8 @@ def main() -> None:
     transport = registry.transport("relay", config, receivers=[n["id"] for n in config["nodes"]])
     refit = TrainerRefit(registry.converter("identity", model.config), read_specs(args.checkpoint),
                          torch_owned_ranges(model, rank, world), ParallelLayout(dp_size=world, dp_rank=rank),
-                         transport, state_dir=args.state_dir, max_payload_elements=1 << 21, timeout_s=600)
+                         transport, state_dir=args.state_dir, op=args.op, max_payload_elements=1 << 21,
+                         timeout_s=600)
     if rank == 0:
         print(f"[producer] {world} producers ready in {time.perf_counter() - t:.1f} s", flush=True)
     # A first, small refit warms up what happens once per process (compiling the kernels,
