@@ -11,9 +11,10 @@ end to end in the same buffers). 16-bit inputs (BF16, F16) on an AVX-512 host
 take `kernels.diff16`: 128 elements per block, four 512-bit compares, and compress-stores
 for the blocks that differ - no branch per element, at 6-8 GB/s of BF16 on one core of
 the reference machine for 0-0.1% changes and about 5 GB/s at 1-5% (a memory-bound
-two-input scan runs at about 8.5). Other widths and hosts take `kernels.diff_words`
-(int64 words, 32 per block, an OR skips clean blocks) plus one vectorised pass per value
-array. Without numba, the numpy path (`_diff_cpu_words`) gives the same arrays: elements
+two-input scan runs at about 8.5). Other hosts take `kernels.diff16_bitscan`: the same
+compares, and each block's masks walked bit by bit (one element's writes per change).
+Other widths take `kernels.diff_words` (int64 words, 32 per block, an OR skips clean
+blocks) plus one vectorised pass per value array. Without numba, the numpy path (`_diff_cpu_words`) gives the same arrays: elements
 narrower than 8 bytes are compared as int64 words (4 BF16 elements per compare), the word
 mask is scanned 8 words at a time (one uint64 view of 8 bools), and only the words that
 differ are split back into elements; on one core it runs at about half the memcpy
@@ -146,17 +147,18 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     or new - old wrapping around (two's complement, on the bit view).
     Every array has a's dtype except the positions. `narrow`: int32 positions from the
     16-bit scan when base + len(a) < 2**31 (half its position compress-stores; callers
-    widen them where they copy anyway). 16-bit inputs on an AVX-512 host take
-    `kernels.diff16` (the scan itself writes the values); others the word scan
-    `kernels.diff_words` plus one vectorised pass per value array.
+    widen them where they copy anyway). 16-bit inputs take `kernels.diff16` on an
+    AVX-512 host, `kernels.diff16_bitscan` elsewhere (either scan writes the values
+    itself); other widths the word scan `kernels.diff_words` plus one vectorised pass per
+    value array.
     `out`: the 16-bit scan writes there, after what earlier calls wrote (see DiffOutput)."""
     if values not in _MODES:
         raise ValueError(f"unsupported values {values!r}")
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     size = a.size
-    if kernels.HAVE_VECTOR_DIFF and a.itemsize == 2:
+    if a.itemsize == 2:
         # Positions with `base` added by the scan itself; int32 ones (narrow) take two
-        # compresses per 32 elements where int64 ones take four.
+        # compresses per 32 elements where int64 ones take four (diff16), and half the bytes.
         pdt = np.int32 if narrow and base + size < (1 << 31) else np.int64
         kind = (np.dtype(pdt),) + (a.dtype,) * (1 + len(values))
         mode = _MODES[values]
@@ -167,8 +169,10 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
             bufs = [np.empty(cap, t) for t in kind]
         empty = np.empty(0, a.dtype)
 
+        scan = kernels.diff16 if kernels.HAVE_VECTOR_DIFF else kernels.diff16_bitscan
+
         def call(i, n):
-            return kernels.diff16(a, b, i, base, bufs[0], bufs[1], bufs[2] if values else empty, mode, n)
+            return scan(a, b, i, base, bufs[0], bufs[1], bufs[2] if values else empty, mode, n)
 
         def grow(n, room):
             """This chunk's slots so far [start, n) at the front of new buffers with `room` more."""

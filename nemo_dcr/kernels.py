@@ -23,8 +23,9 @@ A few operations numba has no spelling for - 512-bit compares and compress-store
 the 16-bit diff (`diff16`), the high half of a 64 x 64-bit product for the coder - are
 LLVM intrinsics (bottom of this file) standing in for plain Python functions of the same
 name, so the Python fallback computes the same thing. `diff16` needs AVX-512 (VBMI2) and
-is only called when the host has it (`HAVE_VECTOR_DIFF`); elsewhere the scalar
-`diff_words` gives the same arrays.
+is only called when the host has it (`HAVE_VECTOR_DIFF`); elsewhere `diff16_bitscan`
+(the same compares, and a bit scan of their masks instead of compresses) gives the same
+arrays.
 """
 
 from __future__ import annotations
@@ -207,10 +208,59 @@ def diff16(a, b, i0, base, pos, new, v, mode, n0):
     return n, i
 
 
+def _ctz64(m):
+    """Trailing zero bits of a non-zero 64-bit mask (compiled: one `tzcnt`)."""
+    m = int(m)
+    return (m & -m).bit_length() - 1
+
+
+@_jit
+def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0):
+    """`diff16` for hosts without AVX-512 compress-stores (AVX2 and older): the same
+    arguments, blocks, buffers' room and result, and the same arrays out.
+
+    A block's four 32-lane compare masks are joined into two 64-bit words, and each word's
+    set bits are walked with a trailing-zero count: one element's writes per change, no
+    work for the elements that did not change, and one unpredictable branch (the walk's
+    exit) per 64 elements. Measured on a Zen 3 core at 3-5% (64M elements): a walk per
+    32-lane mask took 1.2-1.5x as long, the word scan `diff_words` 1.8-2.3x, and writing
+    a fixed number of slots per mask without a branch more still. Writes exactly the
+    changed elements' slots."""
+    cap = pos.size
+    n = n0
+    i = i0
+    stop = a.size - a.size % DIFF_BLOCK
+    one = np.uint64(1)
+    while i < stop:
+        if n + DIFF_BLOCK > cap:
+            return n, i
+        low = np.uint64(_vmask32(a, b, i)) | (np.uint64(_vmask32(a, b, i + _LANES)) << np.uint64(32))
+        high = np.uint64(_vmask32(a, b, i + 2 * _LANES)) | (np.uint64(_vmask32(a, b, i + 3 * _LANES)) << np.uint64(32))
+        for half in range(2):
+            m = low if half == 0 else high
+            j = i + 2 * _LANES * half
+            while m:
+                e = j + np.int64(_ctz64(m))
+                m &= m - one
+                x = a[e]
+                y = b[e]
+                pos[n] = base + e
+                new[n] = x
+                if mode == DIFF_XOR:
+                    v[n] = x ^ y
+                elif mode == DIFF_ADD:
+                    v[n] = x - y
+                elif mode == DIFF_OLD:
+                    v[n] = y
+                n += 1
+        i += DIFF_BLOCK
+    return n, i
+
+
 def _host_has_vector_diff() -> bool:
     """Whether numba compiles for this host and the host has the AVX-512 compress-stores
-    `diff16` is built on (elsewhere LLVM would emulate them element by element, slower
-    than the scalar `diff_words`). NEMO_DCR_NO_VECTOR_DIFF=1 turns it off."""
+    `diff16` is built on (elsewhere LLVM would emulate them element by element, and the
+    16-bit diff takes `diff16_bitscan`). NEMO_DCR_NO_VECTOR_DIFF=1 turns it off."""
     if _numba is None or os.environ.get("NEMO_DCR_NO_VECTOR_DIFF") == "1":
         return False
     try:
@@ -1341,9 +1391,9 @@ def scatter_apply(flat, pos, vals, op):
 
 # ======================================================================== intrinsics
 #
-# The compiled forms of _vmask32, _vstep_* (diff16) and _mulhi (rANS): LLVM
-# vector and 128-bit integer operations that numba has no spelling for. Without numba
-# the plain Python functions above are called instead (same results).
+# The compiled forms of _vmask32, _vstep_* (diff16), _ctz64 (diff16_bitscan) and _mulhi
+# (rANS): LLVM vector and 128-bit integer operations that numba has no spelling for.
+# Without numba the plain Python functions above are called instead (same results).
 
 if _numba is not None:
     from llvmlite import ir as _ir
@@ -1467,6 +1517,12 @@ if _numba is not None:
             return builder.trunc(builder.lshr(prod, _ir.Constant(i128, 64)), _ir.IntType(64))
 
         return sig, codegen
+
+    from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
+
+    @_overload(_ctz64, jit_options={"nogil": True})
+    def _ol_ctz64(m):
+        return lambda m: _trailing_zeros(m)
 
     @_overload(_mulhi, jit_options={"nogil": True})
     def _ol_mulhi(a, b):

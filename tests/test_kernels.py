@@ -97,8 +97,9 @@ def test_diff_words_resumes_where_the_buffer_was_full():
 @pytest.mark.parametrize("dtype", [np.int16, np.int32, np.uint8])
 def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
     """The producer's one-pass diff: positions (+ base), new bits and each value array the
-    records carry, on the 512-bit 16-bit scan and on the word scan, against numpy; sizes
-    that end mid-block, buffers that must grow, and changes that wrap around."""
+    records carry, on the 16-bit scans (512-bit compresses; bit scans where the host has
+    no AVX-512, or `vector` is off) and on the word scan (other widths), against numpy;
+    sizes that end mid-block, buffers that must grow, and changes that wrap around."""
     if vector and not kernels.HAVE_VECTOR_DIFF:
         pytest.skip("host has no AVX-512 VBMI2")
     monkeypatch.setattr(kernels, "HAVE_VECTOR_DIFF", vector)
@@ -116,7 +117,7 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
         # narrow: int32 positions from the 16-bit scan while base + size < 2**31; the rest alike
         for base in (1000, (1 << 31) - n, (1 << 31) - n + 1):
             npos, nnv, nvals = diff_arrays(new, old, values, base=base, narrow=True)
-            narrow = vector and dtype == np.int16 and base + n < (1 << 31)
+            narrow = dtype == np.int16 and base + n < (1 << 31)
             assert npos.dtype == (np.int32 if narrow else np.int64)
             np.testing.assert_array_equal(npos.astype(np.int64), ref + base)
             for x, y in zip([nnv, *nvals], [nv, *vals]):
@@ -129,15 +130,20 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
             np.testing.assert_array_equal(got, want[kind], err_msg=f"{kind}, n={n}")
 
 
-@pytest.mark.skipif(not kernels.HAVE_VECTOR_DIFF, reason="host has no AVX-512 VBMI2")
+@needs_numba
+@pytest.mark.parametrize("vector", [True, False])
 @pytest.mark.parametrize("values", [(), ("old",), ("xor",), ("add",)])
-def test_diff_arrays_writes_chunks_end_to_end(values):
+def test_diff_arrays_writes_chunks_end_to_end(monkeypatch, vector, values):
     """With a DiffOutput, the chunks of a range come out as the chunk-by-chunk diff would
     give them, each view directly after the one before in the same buffers, but where a
     chunk did not fit: it moved to new buffers, and the views handed out before kept
     their contents. Chunk sizes with tails, a chunk without changes, and rates that
-    outgrow the first buffers (sized for ~1 change in 16)."""
+    outgrow the first buffers (sized for ~1 change in 16). Both 16-bit scans."""
     from nemo_dcr.diff import DiffOutput
+
+    if vector and not kernels.HAVE_VECTOR_DIFF:
+        pytest.skip("host has no AVX-512 VBMI2")
+    monkeypatch.setattr(kernels, "HAVE_VECTOR_DIFF", vector)
 
     rng = np.random.default_rng(len(values))
     sizes = [128 * 50, 128 * 50 + 77, 3000, 128 * 64, 128 * 200, 500, 128 * 30]
@@ -866,8 +872,8 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     local = np.flatnonzero(a != b).astype(np.int64)
     d_compiled = _diff_compiled(a, b)
     placed_compiled = piece.canonical_index(local)
-    for name in ("diff_words", "diff16", "affine_index", "strictly_increasing_below", "leb128", "gaps_split",
-                 "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
+    for name in ("diff_words", "diff16", "diff16_bitscan", "affine_index", "strictly_increasing_below", "leb128",
+                 "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "leb128_parse",
                  "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
                  "joint_excess_bits", "rans_encode_joint", "rans_decode_joint", "xor_add_entropies",
                  "entropy_of_counts"):
