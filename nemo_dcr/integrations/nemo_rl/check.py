@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{argv[0]}: {e}", file=sys.stderr)
         return 1
-    print(f"{argv[0]}: NeMo-DCR refit over {settings.transport} ({getattr(settings.op, 'value', settings.op)}), "
+    print(f"{argv[0]}: NeMo-DCR refit over {settings.transport} ({settings.op}), "
           f"converter {settings.converter or '<model_type>'}, verify {settings.verify}: OK")
     return 0
 

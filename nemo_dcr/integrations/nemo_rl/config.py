@@ -29,7 +29,7 @@ from typing import Any
 
 from nemo_dcr import registry
 from nemo_dcr.wire_versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text  # not codec: see there
-from nemo_dcr.records import AUTO, Op
+from nemo_dcr.records import AUTO
 
 PATH = "policy.generation.refit_cfg.dcr"
 VERIFY_MODES = ("never", "every_refit")
@@ -62,7 +62,7 @@ class DCRSettings:
     transport_config: dict
     converter: str | None
     converter_options: dict = field(default_factory=dict)
-    op: Op | str = AUTO  # "auto", Op.XOR or Op.ADD
+    op: str = AUTO  # auto | xor | add, as TrainerRefit takes it
     state_dir: str | None = None
     baseline_storage: str = "memory"
     baseline_dir: str | None = None
@@ -204,7 +204,7 @@ def from_generation_config(generation_cfg: dict) -> DCRSettings:
     if problems:
         raise ConfigError(problems)
     return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
-                       converter_options=dict(options), op=AUTO if op == AUTO else Op(op), state_dir=state_dir, baseline_storage=storage,
+                       converter_options=dict(options), op=op, state_dir=state_dir, baseline_storage=storage,
                        baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
                        max_payload_elements=max_payload, encode_threads=encode_threads, wire_version=wire_version,
                        metrics_port=metrics_port,
