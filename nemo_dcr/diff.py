@@ -14,12 +14,12 @@ the reference machine for 0-0.1% changes and about 5 GB/s at 1-5% (a memory-boun
 two-input scan runs at about 8.5). Other hosts take `kernels.diff16_bitscan`: the same
 compares, and each block's masks walked bit by bit (one element's writes per change).
 Other widths take `kernels.diff_words` (int64 words, 32 per block, an OR skips clean
-blocks) plus one vectorised pass per value array. Without numba, the numpy path (`_diff_cpu_words`) gives the same arrays: elements
-narrower than 8 bytes are compared as int64 words (4 BF16 elements per compare), the word
-mask is scanned 8 words at a time (one uint64 view of 8 bools), and only the words that
-differ are split back into elements; on one core it runs at about half the memcpy
-bandwidth. Other devices (CUDA) take the plain `ne().nonzero()` path, which is what the
-GPU is good at.
+blocks) plus one vectorised pass per value array. Without numba, the numpy path
+(`_diff_cpu_words`) gives the same arrays: elements narrower than 8 bytes are compared
+as int64 words (4 BF16 elements per compare), the word mask is scanned 8 words at a time
+(one uint64 view of 8 bools), and only the words that differ are split back into
+elements; on one core it runs at about half the memcpy bandwidth. Other devices (CUDA)
+take the plain `ne().nonzero()` path, which is what the GPU is good at.
 """
 
 from __future__ import annotations
