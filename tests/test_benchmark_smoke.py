@@ -61,6 +61,8 @@ def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads, coding):
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
         assert {"diff_gbs", "place_gbs", "encode_gbs", "ratio_to_memcpy", "wire_bytes"} <= row.keys()
+        # the reference is the faster of the two copies (the same bytes, 4x as many)
+        assert row["memcpy_gbs"] == max(row["memcpy_same_bytes_gbs"], row["memcpy_4x_bytes_gbs"]) > 0
         assert row["bit_exact"] and row["verify_s"] > 0
         assert row["op"] in ("xor", "auto")
 
