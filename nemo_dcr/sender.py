@@ -42,6 +42,9 @@ class ProducerReport:
     wire_bytes: int = 0
     first_send_s: float | None = None  # seconds from refit start to the first payload leaving
     page_faults: int = 0  # minor page faults of the process during the refit (metrics.page_faults)
+    # CPU time of the thread that ran the refit (time.thread_time; encode threads not included):
+    # beside the stages' wall-clock times it tells waiting for a core from working
+    cpu_s: float = 0.0
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("residual", "diff", "place", "encode", "encode_wait", "send", "flush"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -378,7 +381,7 @@ class Producer:
         half-applied, and a second delta would be wrong), except those in `skip`
         (finished on every receiver), which are cut but not sent."""
         rep = ProducerReport(self.id)
-        t0, faults0 = time.perf_counter(), page_faults()
+        t0, faults0, cpu0 = time.perf_counter(), page_faults(), time.thread_time()
         self.baseline.begin(transfer.target_version)
         builder, payload_ids, all_ids = _PayloadBuilder(transfer.readback, self._arena), [], []
         op_affine = Op.OVERWRITE if transfer.attempt > 0 else self.op
@@ -565,6 +568,7 @@ class Producer:
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
         rep.page_faults = page_faults() - faults0
+        rep.cpu_s = time.thread_time() - cpu0
         rep.payloads = len(payload_ids)
         rep.payload_ids = list(payload_ids)
         rep.all_payload_ids = all_ids

@@ -85,6 +85,8 @@ class RefitResult:
             **{f"producer_{k}_s": stage(k)
                for k in ("residual", "diff", "place", "encode", "encode_wait", "send", "flush")},
             "producer_transfer_s": transfer,
+            # the most CPU time any producer's refit thread took (beside its stages' wall-clock times)
+            "producer_cpu_s": max((p.get("cpu_s", 0.0) for p in self.producers), default=0.0),
             "receiver_stage_s": max((r.get("stage_s", 0.0) for r in applied), default=0.0),
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
             "pause_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
