@@ -22,6 +22,11 @@ every byte between processes crosses the shaped link.
 Lower bound per refit: max(bytes that cross the link / link rate, bytes scanned /
 (memcpy per core x cores)); every receiver's copy crosses the one shaped loopback, so the
 link carries wire bytes x receivers (and the dense reference checkpoint x receivers).
+Receivers, per rate (the issue's target 3): the pause (the slowest receiver's in-place
+apply) over the full refit, the slowest receiver's stage + apply, and the apply beside the
+dense load (a): pause / load time, and the model's bytes brought to the new version per
+second of each. The dense load is timed alone and in one process per receiver at once
+(started together: the receivers apply at the same time, and share the cores and memory).
 Results: benchmarks/results/e2e_link.json and .png (--smoke: e2e_link_smoke.* in the temp dir; or --out).
 """
 
@@ -179,8 +184,10 @@ def dense_reference(ckpt: Path, receivers: list[str], work: Path, env: dict) -> 
     return seconds
 
 
-def dense_load_s(ckpt: Path) -> float:
-    """A dense in-memory load of the whole model through the receivers' loader (load_state_dict)."""
+def dense_load_s(ckpt: Path, go: Path | None = None) -> float:
+    """A dense in-memory load of the whole model through the receivers' loader
+    (load_state_dict), best of 3. `go`: once model and state are in memory, print "ready"
+    and wait for that file to exist before timing (`dense_loads_at_once`)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -189,7 +196,38 @@ def dense_load_s(ckpt: Path) -> float:
     state = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         state.update(load_file(f))
+    model.load_state_dict(state, strict=False)  # the first load touches the weights' pages: untimed
+    if go is not None:
+        print("ready", flush=True)
+        while not go.exists():
+            time.sleep(0.005)
     return min(_timed(lambda: model.load_state_dict(state, strict=False)) for _ in range(3))
+
+
+def dense_loads_at_once(ckpt: Path, n: int, work: Path, env: dict) -> float:
+    """The same dense load in n processes at once, as n receivers would load a full refit
+    side by side (the pause is their concurrent apply): the slowest process's best of 3."""
+    go = work / "dense-load-go"
+    go.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--dense-load-worker", str(ckpt), "--dense-load-go", str(go)]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a dense-load worker did not start (exit {p.wait()})")
+        go.touch()
+        seconds = []
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise RuntimeError(f"a dense-load worker exited {p.returncode}")
+            seconds.append(float(out.split()[-1]))
+        return max(seconds)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        go.unlink(missing_ok=True)
 
 
 def inside(args) -> int:
@@ -215,7 +253,9 @@ def inside(args) -> int:
         log(f"3/5 full checkpoint to {len(receivers)} receivers over the relay tree (transport only)")
         dense_s = dense_reference(ckpt, receivers, work, env)
         load_s = dense_load_s(ckpt)
-        log(f"    {dense_s:.1f} s transfer; dense load_state_dict {load_s:.2f} s")
+        load_together_s = dense_loads_at_once(ckpt, len(receivers), work, env)
+        log(f"    {dense_s:.1f} s transfer; dense load_state_dict {load_s:.2f} s alone, "
+            f"{load_together_s:.2f} s in {len(receivers)} processes at once")
         log(f"4/5 {args.producers} producers, {len(receivers)} HF receivers, refits at {rates}")
         config = relay_config(receivers)
         procs, logs = [], []
@@ -256,6 +296,15 @@ def inside(args) -> int:
                 "refit_over_bound": r["refit_s"] / bound, "speedup_vs_dense_transfer": dense_s / r["refit_s"],
                 "pause_s": r["pause_s"], "receiver_stage_s": r["receiver_stage_s"],
                 "pause_over_full_refit": r["pause_s"] / full_refit_s, "verify_s": r["verify_s"],
+                # the receivers' side beside (a) the dense in-memory load: the slowest receiver's
+                # staging (decoding while the transfer runs) plus its apply, and the apply as the
+                # model's bytes brought to the new version per second of pause against the load's
+                "receiver_total_s": r["receiver_stage_s"] + r["pause_s"],
+                "pause_over_dense_load": r["pause_s"] / load_s,
+                "pause_over_dense_loads_at_once": r["pause_s"] / load_together_s,
+                "apply_model_gbs": dense_bytes / r["pause_s"] / 1e9, "dense_load_gbs": dense_bytes / load_s / 1e9,
+                "dense_loads_at_once_gbs": dense_bytes / load_together_s / 1e9,
+                "apply_changes_per_s": r["changed_elements"] / r["pause_s"],
                 "refits_s": r["refits_s"], "all_bit_exact": r["all_bit_exact"],
                 "producer": {k: v for k, v in r.items() if k.startswith("producer_")},
                 # where the refit's time goes: the coordinator's phases (begin, waiting for
@@ -266,13 +315,17 @@ def inside(args) -> int:
             each = sorted(round(x, 2) for x in r["refits_s"])
             log(f"    {r['rate']:.0%}: refit {r['refit_s']:.2f} s (median of {each}) vs dense {dense_s:.1f} s -> "
                 f"{dense_s / r['refit_s']:.1f}x; lower bound {bound:.2f} s ({r['refit_s'] / bound:.2f}x of it); "
-                f"pause {r['pause_s']:.2f} s ({r['pause_s'] / full_refit_s:.3f} of a full refit); "
+                f"pause {r['pause_s']:.2f} s ({r['pause_s'] / full_refit_s:.3f} of a full refit, "
+                f"{r['pause_s'] / load_s:.2f}x a dense load alone, {r['pause_s'] / load_together_s:.2f}x "
+                f"{len(receivers)} at once); receivers' stage + apply "
+                f"{r['receiver_stage_s'] + r['pause_s']:.2f} s; "
                 f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
         result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
                   "op": args.op,
                   "params": params, "dense_bytes": dense_bytes, "producers": args.producers,
                   "receivers": len(receivers), "link_gbps_measured": link_bps / 1e9, "memcpy_gbs_per_core": mem,
                   "cores": cores, "dense_transfer_s": dense_s, "dense_load_s": load_s,
+                  "dense_loads_at_once_s": load_together_s,
                   "full_refit_s": full_refit_s, "rows": out_rows,
                   "machine": {"python": platform.python_version(), "platform": platform.platform()}}
         path = results_path("e2e_link", args.out, args.smoke)
@@ -337,11 +390,16 @@ def main(argv=None) -> int:
                                   "the temp dir); the PNG beside it")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dense-load-worker", help=argparse.SUPPRESS)  # a process of dense_loads_at_once
+    ap.add_argument("--dense-load-go", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.vocab, args.link_probe_mb, args.repeats = 128, 2, 512, 8, 1
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.dense_load_worker:
+        print(f"{dense_load_s(Path(args.dense_load_worker), Path(args.dense_load_go)):.6f}", flush=True)
+        return 0
     if args.inside or args.no_shape:
         return inside(args)
     return run_shaped(__file__, argv, args.mbit, log, NOT_ROOT)

@@ -105,12 +105,18 @@ def test_e2e_link_benchmark_smoke(tmp_path):
     res = _run(["benchmarks/e2e_link.py", "--no-shape"], tmp_path, "e2e_link")
     assert res["benchmark"] == "e2e_link" and res["smoke"] and not res["shaped"]
     assert res["producers"] == 2 and res["receivers"] == 2 and res["dense_transfer_s"] > 0
+    assert res["dense_load_s"] > 0 and res["dense_loads_at_once_s"] > 0  # one receiver's load; two side by side
     assert [r["rate"] for r in res["rows"]] == [0.03, 0.05]
     for row in res["rows"]:
         assert row["all_bit_exact"] and row["changed_elements"] > 0 and row["wire_bytes"] > 0
         assert row["refit_s"] > 0 and row["lower_bound_s"] > 0 and 0 < row["pause_s"] <= row["refit_s"]
         assert row["refit_over_bound"] == row["refit_s"] / row["lower_bound_s"]
-        assert {"producer_diff_s", "producer_encode_s"} <= row["producer"].keys()
+        assert {"producer_diff_s", "producer_encode_s", "producer_cpu_s"} <= row["producer"].keys()
+        # target 3's receiver side: stage + apply, and the apply beside the dense load
+        assert row["receiver_total_s"] == row["receiver_stage_s"] + row["pause_s"]
+        assert row["pause_over_dense_load"] == row["pause_s"] / res["dense_load_s"]
+        assert row["pause_over_dense_loads_at_once"] == row["pause_s"] / res["dense_loads_at_once_s"]
+        assert row["apply_model_gbs"] == res["dense_bytes"] / row["pause_s"] / 1e9 > 0
 
 
 def test_reliability_costs_benchmark_smoke():
