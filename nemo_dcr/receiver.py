@@ -72,6 +72,7 @@ class _Transfer:
     stage_s: float = 0.0
     apply_s: float = 0.0
     faults_at_start: int = field(default_factory=page_faults)
+    cpu_at_start: float = field(default_factory=time.process_time)  # the process's CPU time (all its threads)
 
 
 class Receiver:
@@ -318,6 +319,7 @@ class Receiver:
             "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
             "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started, "payloads": cur.applied_payloads,
             "dropped": cur.dropped, "page_faults": page_faults() - cur.faults_at_start,
+            "cpu_s": time.process_time() - cur.cpu_at_start,
             **({"readback": self.lineage.readback if self.lineage else {}, "readback_scope": self.readback_scope,
                 "readback_s": cur.readback_s} if cur.info.readback else {}),
         })

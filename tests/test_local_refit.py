@@ -112,6 +112,7 @@ def test_refits_are_bit_exact_and_commit_jointly(checkpoint, tmp_path, op, devic
             assert all(type(m[k]) is int and m[k] >= 0 for k in ("producer_page_faults", "receiver_page_faults"))
             # the refit thread's CPU time: some, and no more than the refit took (one thread)
             assert 0 < m["producer_cpu_s"] <= m["refit_s"]
+            assert m["receiver_cpu_s"] > 0  # the receivers' process (here the test's own) decoded and applied
             serving(s.receivers, version)  # the commit message reaches receiver threads after refit() returns
             for r in s.receivers:
                 assert bit_mismatches(s.expected(), r.runtime.canonical_state()) == []
