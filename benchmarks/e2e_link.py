@@ -290,7 +290,7 @@ def inside(args) -> int:
         for r in rows:
             link_bytes = r["wire_bytes"] * len(receivers)
             bound = max(link_bytes * 8 / link_bps, dense_bytes / (mem * 1e9 * cores))
-            out_rows.append({
+            row = {
                 "rate": r["rate"], "bit_exact": r["bit_exact"], "refit_s": r["refit_s"], "wire_bytes": r["wire_bytes"],
                 "changed_elements": r["changed_elements"], "lower_bound_s": bound,
                 "refit_over_bound": r["refit_s"] / bound, "speedup_vs_dense_transfer": dense_s / r["refit_s"],
@@ -298,12 +298,12 @@ def inside(args) -> int:
                 "pause_over_full_refit": r["pause_s"] / full_refit_s, "verify_s": r["verify_s"],
                 # the receivers' side beside (a) the dense in-memory load: the slowest receiver's
                 # staging (decoding while the transfer runs) plus its apply, and the apply as the
-                # model's bytes brought to the new version per second of pause against the load's
+                # model's bytes brought to the new version per second of pause (the loads' rate:
+                # dense_bytes / dense_load_s, / dense_loads_at_once_s)
                 "receiver_total_s": r["receiver_stage_s"] + r["pause_s"],
                 "pause_over_dense_load": r["pause_s"] / load_s,
                 "pause_over_dense_loads_at_once": r["pause_s"] / load_together_s,
-                "apply_model_gbs": dense_bytes / r["pause_s"] / 1e9, "dense_load_gbs": dense_bytes / load_s / 1e9,
-                "dense_loads_at_once_gbs": dense_bytes / load_together_s / 1e9,
+                "apply_model_gbs": dense_bytes / r["pause_s"] / 1e9,
                 "apply_changes_per_s": r["changed_elements"] / r["pause_s"],
                 "refits_s": r["refits_s"], "all_bit_exact": r["all_bit_exact"],
                 "producer": {k: v for k, v in r.items() if k.startswith("producer_")},
@@ -311,14 +311,14 @@ def inside(args) -> int:
                 # every receiver's applied reply, commit) and the receivers' own times
                 "coordinator": {k: v for k, v in r.items() if k.startswith("coordinator_")},
                 "receiver": {k: v for k, v in r.items() if k.startswith("receiver_")},
-            })
+            }
+            out_rows.append(row)
             each = sorted(round(x, 2) for x in r["refits_s"])
             log(f"    {r['rate']:.0%}: refit {r['refit_s']:.2f} s (median of {each}) vs dense {dense_s:.1f} s -> "
                 f"{dense_s / r['refit_s']:.1f}x; lower bound {bound:.2f} s ({r['refit_s'] / bound:.2f}x of it); "
-                f"pause {r['pause_s']:.2f} s ({r['pause_s'] / full_refit_s:.3f} of a full refit, "
-                f"{r['pause_s'] / load_s:.2f}x a dense load alone, {r['pause_s'] / load_together_s:.2f}x "
-                f"{len(receivers)} at once); receivers' stage + apply "
-                f"{r['receiver_stage_s'] + r['pause_s']:.2f} s; "
+                f"pause {r['pause_s']:.2f} s ({row['pause_over_full_refit']:.3f} of a full refit, "
+                f"{row['pause_over_dense_load']:.2f}x a dense load alone, {row['pause_over_dense_loads_at_once']:.2f}x "
+                f"{len(receivers)} at once); receivers' stage + apply {row['receiver_total_s']:.2f} s; "
                 f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
         result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
                   "op": args.op,

@@ -72,7 +72,7 @@ class _Transfer:
     stage_s: float = 0.0
     apply_s: float = 0.0
     faults_at_start: int = field(default_factory=page_faults)
-    cpu_at_start: float = field(default_factory=time.process_time)  # the process's CPU time (all its threads)
+    cpu_at_start: float = field(default_factory=time.process_time)  # the whole process's (serving included)
 
 
 class Receiver:

@@ -87,7 +87,8 @@ class RefitResult:
             "producer_transfer_s": transfer,
             # the most CPU time any producer's refit thread took (beside its stages' wall-clock times)
             "producer_cpu_s": max((p.get("cpu_s", 0.0) for p in self.producers), default=0.0),
-            # ... and any receiver process's, all its threads (decoding, relaying, applying), for the transfer
+            # ... and any receiver process's for the transfer, all its threads: decoding, relaying,
+            # applying, and, where the receiver lives in a serving runtime's process, serving too
             "receiver_cpu_s": max((r.get("cpu_s", 0.0) for r in applied), default=0.0),
             "receiver_stage_s": max((r.get("stage_s", 0.0) for r in applied), default=0.0),
             "receiver_apply_s": max((r.get("apply_s", 0.0) for r in applied), default=0.0),
