@@ -122,6 +122,12 @@ def diff_words(a, b, aw, bw, per, w0, pos, new, old, n0):
 DIFF_OLD, DIFF_XOR, DIFF_ADD, DIFF_NONE = 0, 1, 2, 3
 DIFF_BLOCK = 128  # elements per block of `diff16`
 _LANES = 32  # 16-bit elements per 512-bit vector
+# The 16-bit scans prefetch both inputs this many elements (4 KiB) ahead of the block they
+# compare. Without it the compress work of a block that differs stalls the next blocks'
+# loads; with it, on an Emerald Rapids core (64M elements, 15 alternating pairs each),
+# the diff took 20.1-22.0 ms instead of 23.7-25.6 at 1-5% changes (no change at 0%), and
+# 1024-4096 elements ahead measured alike. Non-temporal hints were 30-80% slower.
+DIFF_PREFETCH = 2048
 
 
 def _value_py(x, y, kind):
@@ -135,6 +141,19 @@ def _value_py(x, y, kind):
 def _vmask32(a, b, i):
     """Bit k set where a[i + k] != b[i + k], k < 32."""
     return int(np.packbits(a[i:i + _LANES] != b[i:i + _LANES], bitorder="little").view("<u4")[0])
+
+
+def _prefetch(a, i):
+    """Hint the cache line holding a[i] into the cache (compiled: one `prefetcht0`; no-op in
+    Python). Never faults, so it needs no bounds, but callers keep i inside a."""
+
+
+@_jit_inline
+def _prefetch_block(a, b, i):
+    """Prefetch the DIFF_BLOCK elements of a and b from element i: 4 lines of BF16 each."""
+    for k in range(0, DIFF_BLOCK, _LANES):
+        _prefetch(a, i + k)
+        _prefetch(b, i + k)
 
 
 def _vstep_py(a, b, i, base, pos, new, v, n, kind):
@@ -179,16 +198,21 @@ def diff16(a, b, i0, base, pos, new, v, mode, n0):
     Compiled, a block costs four 32-lane compares (512-bit loads of both inputs) and one
     branch; a block that differs anywhere is written 32 elements at a time with AVX-512
     (VBMI2) compresses into a register and one full-width store each, with no branch per
-    element or word: a few instructions per 32 elements whatever the change rate. Returns
+    element or word: a few instructions per 32 elements whatever the change rate. Both
+    inputs are prefetched DIFF_PREFETCH elements ahead, so that the compresses do not hold
+    up the next blocks' loads. Returns
     (n, i): the slots used and the next element to scan (< the last whole block when the
     buffers were full; call again with larger buffers)."""
     cap = pos.size
     n = n0
     i = i0
     stop = a.size - a.size % DIFF_BLOCK
+    ahead = stop - DIFF_PREFETCH  # blocks before this one prefetch the block DIFF_PREFETCH on
     while i < stop:
         if n + DIFF_BLOCK > cap:
             return n, i
+        if i < ahead:
+            _prefetch_block(a, b, i + DIFF_PREFETCH)
         # One 32-lane compare mask per quarter; a block that differs nowhere costs just that.
         masks = (_vmask32(a, b, i), _vmask32(a, b, i + _LANES), _vmask32(a, b, i + 2 * _LANES),
                  _vmask32(a, b, i + 3 * _LANES))
@@ -224,16 +248,19 @@ def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0):
     work for the elements that did not change, and one unpredictable branch (the walk's
     exit) per 64 elements. Measured on a Zen 3 core at 3-5% (64M elements): a walk per
     32-lane mask took 1.2-1.5x as long, the word scan `diff_words` 1.8-2.3x, and writing
-    a fixed number of slots per mask without a branch more still. Writes exactly the
-    changed elements' slots."""
+    a fixed number of slots per mask without a branch more still. Prefetches as `diff16`
+    does. Writes exactly the changed elements' slots."""
     cap = pos.size
     n = n0
     i = i0
     stop = a.size - a.size % DIFF_BLOCK
+    ahead = stop - DIFF_PREFETCH
     one = np.uint64(1)
     while i < stop:
         if n + DIFF_BLOCK > cap:
             return n, i
+        if i < ahead:
+            _prefetch_block(a, b, i + DIFF_PREFETCH)
         low = np.uint64(_vmask32(a, b, i)) | (np.uint64(_vmask32(a, b, i + _LANES)) << np.uint64(32))
         high = np.uint64(_vmask32(a, b, i + 2 * _LANES)) | (np.uint64(_vmask32(a, b, i + 3 * _LANES)) << np.uint64(32))
         for half in range(2):
@@ -1374,19 +1401,29 @@ def lookup(sym, table, out):
 # ======================================================================== apply
 
 
+# scatter_apply prefetches the line of the change this many changes ahead. The hardware
+# prefetchers follow the sorted positions' stream but not the scattered lines they point
+# at; on an Emerald Rapids core (add records into 1 GiB, 16-27M changes) 48-96 ahead took
+# 0.73-0.85x the time of none, alike; 16 ahead 0.84x.
+_SCATTER_PREFETCH = 64
+
+
 @_jit
 def scatter_apply(flat, pos, vals, op):
     """In place on an unsigned bit view: flat[pos] ^= vals (op 0), += vals wrapping (op 1)
     or = vals (op 2). `pos` is checked by the caller (sorted, in range)."""
-    if op == 0:
-        for i in range(pos.size):
-            flat[pos[i]] ^= vals[i]
-    elif op == 1:
-        for i in range(pos.size):
-            flat[pos[i]] += vals[i]
-    else:
-        for i in range(pos.size):
-            flat[pos[i]] = vals[i]
+    n = pos.size
+    ahead = n - _SCATTER_PREFETCH  # the changes before this one prefetch a later change's line
+    for i in range(n):
+        if i < ahead:
+            _prefetch(flat, np.int64(pos[i + _SCATTER_PREFETCH]))
+        p = pos[i]
+        if op == 0:
+            flat[p] ^= vals[i]
+        elif op == 1:
+            flat[p] += vals[i]
+        else:
+            flat[p] = vals[i]
 
 
 # ======================================================================== intrinsics
@@ -1421,6 +1458,24 @@ if _numba is not None:
             va = builder.load(builder.bitcast(_data(context, builder, ta, args[0], args[2]), vt.as_pointer()), align=2)
             vb = builder.load(builder.bitcast(_data(context, builder, tb, args[1], args[2]), vt.as_pointer()), align=2)
             return builder.bitcast(builder.icmp_unsigned("!=", va, vb), _ir.IntType(_LANES))
+
+        return sig, codegen
+
+    @_intrinsic
+    def _prefetch_intr(typingctx, a, i):
+        if not isinstance(a, _nt.Array):
+            return None
+        sig = _nt.void(a, _nt.int64)
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.bitcast(_data(context, builder, signature.args[0], args[0], args[1]),
+                                  _ir.IntType(8).as_pointer())
+            i32 = _ir.IntType(32)
+            fn = _cg.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+            # read, locality 3 (all cache levels: prefetcht0), data cache
+            builder.call(fn, [ptr, _ir.Constant(i32, 0), _ir.Constant(i32, 3), _ir.Constant(i32, 1)])
+            return context.get_dummy_value()
 
         return sig, codegen
 
@@ -1496,6 +1551,10 @@ if _numba is not None:
     @_overload(_vmask32, jit_options={"nogil": True})
     def _ol_vmask32(a, b, i):
         return lambda a, b, i: _vmask32_intr(a, b, i)
+
+    @_overload(_prefetch, jit_options={"nogil": True})
+    def _ol_prefetch(a, i):
+        return lambda a, i: _prefetch_intr(a, i)
 
     def _register_vstep(pyfunc, kind):
         intr = _make_vstep(kind)

@@ -4,6 +4,8 @@ rejection of damaged sections."""
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -1015,15 +1017,37 @@ def test_kernels_are_compiled():
     assert hasattr(kernels.rans_encode, "signatures")
 
 
+@needs_numba
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="checks x86-64 instructions")
+def test_streaming_kernels_prefetch():
+    """The 16-bit diff scans prefetch both inputs ahead, and the sparse apply the lines it
+    is about to write (a hint: no output depends on it, so only the compiled code shows it)."""
+    import numba  # compiled afresh (the kernels' own dispatchers load cached code, which has no listing)
+
+    a = np.zeros(4 * kernels.DIFF_PREFETCH, np.int16)
+    buf = np.empty(len(a), np.int32), np.empty(len(a), np.int16), np.empty(len(a), np.int16)
+    scans = [kernels.diff16_bitscan] + ([kernels.diff16] if kernels.HAVE_VECTOR_DIFF else [])
+    for kernel in scans + [kernels.scatter_apply]:
+        fn = numba.njit(kernel.py_func)
+        if kernel is kernels.scatter_apply:
+            fn(a.view(np.uint16), np.arange(100, dtype=np.uint64), np.ones(100, np.uint16), 1)
+        else:
+            fn(a, a.copy(), 0, 0, *buf, kernels.DIFF_ADD, 0)
+        assert any("prefetcht0" in asm for asm in fn.inspect_asm().values()), kernel.__name__
+
+
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("op", [0, 1, 2])
-def test_scatter_apply_matches_numpy(width, op):
-    """The receiver's compiled sparse apply (xor / wrapping add / set) against numpy."""
-    rng = np.random.default_rng(width * 10 + op)
+@pytest.mark.parametrize("count", [0, 1, kernels._SCATTER_PREFETCH, 700])
+def test_scatter_apply_matches_numpy(width, op, count):
+    """The receiver's compiled sparse apply (xor / wrapping add / set) against numpy; counts
+    below, at and above the distance it prefetches ahead (every change in its tail loop, or
+    most before it)."""
+    rng = np.random.default_rng(width * 10 + op + count)
     dt = np.dtype(f"<u{width}")
     flat = rng.integers(0, np.iinfo(dt).max, 5000, dtype=dt, endpoint=True)
-    pos = np.sort(rng.choice(5000, 700, replace=False)).astype(np.uint64)
-    vals = rng.integers(0, np.iinfo(dt).max, 700, dtype=dt, endpoint=True)
+    pos = np.sort(rng.choice(5000, count, replace=False)).astype(np.uint64)
+    vals = rng.integers(0, np.iinfo(dt).max, count, dtype=dt, endpoint=True)
     want = flat.copy()
     idx = pos.astype(np.int64)
     with np.errstate(over="ignore"):
