@@ -20,7 +20,8 @@ record's two streams (positions and values, the same length) in one pass
 (`rans_encode2`); the words are those of `rans_encode`, stream by stream.
 
 A few operations numba has no spelling for - 512-bit compares and compress-stores for
-the 16-bit diff (`diff16`), the high half of a 64 x 64-bit product for the coder - are
+the 16-bit diff (`diff16`), the high half of a 64 x 64-bit product for the coder, a
+cache prefetch for the streaming kernels (`_prefetch`, a no-op in Python) - are
 LLVM intrinsics (bottom of this file) standing in for plain Python functions of the same
 name, so the Python fallback computes the same thing. `diff16` needs AVX-512 (VBMI2) and
 is only called when the host has it (`HAVE_VECTOR_DIFF`); elsewhere `diff16_bitscan`
@@ -123,10 +124,10 @@ DIFF_OLD, DIFF_XOR, DIFF_ADD, DIFF_NONE = 0, 1, 2, 3
 DIFF_BLOCK = 128  # elements per block of `diff16`
 _LANES = 32  # 16-bit elements per 512-bit vector
 # The 16-bit scans prefetch both inputs this many elements (4 KiB) ahead of the block they
-# compare. Without it the compress work of a block that differs stalls the next blocks'
-# loads; with it, on an Emerald Rapids core (64M elements, 15 alternating pairs each),
-# the diff took 20.1-22.0 ms instead of 23.7-25.6 at 1-5% changes (no change at 0%), and
-# 1024-4096 elements ahead measured alike. Non-temporal hints were 30-80% slower.
+# compare: without it the compress work of a block that differs stalls the next blocks'
+# loads. On an Emerald Rapids core (64M elements, best of 11 alternating runs) `diff16` took
+# 19.7-21.4 ms instead of 23.3-25.8 at 1-5% changes, no change at 0%; 1024-4096 elements
+# ahead measured alike, non-temporal hints 30-150% slower (BENCHMARKS.md).
 DIFF_PREFETCH = 2048
 
 
@@ -1403,8 +1404,8 @@ def lookup(sym, table, out):
 
 # scatter_apply prefetches the line of the change this many changes ahead. The hardware
 # prefetchers follow the sorted positions' stream but not the scattered lines they point
-# at; on an Emerald Rapids core (add records into 1 GiB, 16-27M changes) 48-96 ahead took
-# 0.73-0.85x the time of none, alike; 16 ahead 0.84x.
+# at; on an Emerald Rapids core (into 1 GiB, 5-27M changes) it took 0.54-0.95x the time of
+# none for xor, add and set, 48-96 ahead alike, 16 ahead about half the gain (BENCHMARKS.md).
 _SCATTER_PREFETCH = 64
 
 
