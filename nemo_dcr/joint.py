@@ -88,14 +88,12 @@ def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int) -> t
     freq = np.empty(cells, np.int64)
     if _k.rans_product_model(f1, f2, freq) < 2:
         raise PositionsError("joint stream: its model has fewer than two symbols")
-    cum = np.zeros(cells, np.int64)
-    np.cumsum(freq[:-1], out=cum[1:])
-    slot2sym = np.repeat(np.arange(cells, dtype=np.int16), freq)
-    cell = np.arange(cells)
-    q_of, v_of = (cell // f2.size).astype(np.uint8), (cell % f2.size).astype(np.int16)
+    table = np.empty(_k.PROB_SCALE, np.uint64)
+    if _k.rans_joint_table(freq, f2.size, table):
+        raise PositionsError("joint stream: its model does not cover the 2**16 slots")
     q = np.empty(m, np.uint8)
     v = np.empty(m, np.int16)
-    status = _k.rans_decode_joint(words, freq, cum, slot2sym, q_of, v_of, q, v)
+    status = _k.rans_decode_joint(words, table, q, v)
     if status:
         why = {-1: "bad initial states", -2: "words run out",
                -3: "stream does not end where its symbols do"}.get(status, "corrupt")

@@ -6,9 +6,10 @@ a memory blow-up or a written byte.
 
 A corpus of valid payloads (every encoding the encoder writes: sparse and dense,
 gap-coded and run-coded positions, rANS-coded and byte-plane values, stored and zstd
-sections, xor / add / overwrite, several dtypes, signed and unsigned; format v4, plus some
-of them as format v3, which the decoder still reads) is mutated in ways that reach every
-layer of the decoder:
+sections, xor / add / overwrite, several dtypes, signed and unsigned; format v5, the
+default, with joint streams for its larger records, the same records as v4 and as v6's
+prefix-coded streams, and some payloads as format v3, which the decoder still reads) is
+mutated in ways that reach every layer of the decoder:
 * raw damage: truncation, bit flips, byte runs overwritten, bytes inserted or deleted;
 * resealed damage (the checksum of the payload's format version, and the HMAC where the
   fuzzer holds the key, are recomputed after the change, as a forger would): a body byte

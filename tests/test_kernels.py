@@ -770,16 +770,36 @@ def test_joint_stream_roundtrip(m):
     got_q, got_v = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words[0], m)
     np.testing.assert_array_equal(got_q, q)
     np.testing.assert_array_equal(got_v, lut[vals])
-    slot2sym = np.repeat(np.arange(freq.size, dtype=np.int16), freq)
-    cell = np.arange(freq.size)
+    table = np.empty(1 << 16, np.uint64)
+    assert kernels.rans_joint_table.py_func(freq, f2.size, table) == 0
     qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
-    assert kernels.rans_decode_joint.py_func(words[0], freq, cum, slot2sym, (cell // f2.size).astype(np.uint8),
-                                             (cell % f2.size).astype(np.int16), qq, vv) == 0
+    assert kernels.rans_decode_joint.py_func(words[0], table, qq, vv) == 0
     np.testing.assert_array_equal(qq, q)
+    np.testing.assert_array_equal(vv, lut[vals])
     if m >= 64:  # near the two streams' entropy
         bits = sum(float((c[c > 0] * np.log2(c.sum() / c[c > 0])).sum())
                    for c in (np.bincount(q), np.bincount(lut[vals])))
         assert words[0].size * 16 < bits * 1.01 + 8 * 16
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_joint_table_covers_every_slot_or_refuses(compiled):
+    """Each slot's entry names its symbol's frequency, the slot's offset in the symbol's
+    range, the cell's quotient and value symbol; a model that does not cover the 2**16
+    slots exactly is refused (-1), leaving no entry unwritten behind a 0."""
+    build = kernels.rans_joint_table if compiled else kernels.rans_joint_table.py_func
+    freq = np.array([0, 40000, 1, 0, 25534, 1], np.int64)  # a2 = 3: cells (0,0) .. (1,2)
+    table = np.zeros(1 << 16, np.uint64)
+    assert build(freq, 3, table) == 0
+    slot = np.arange(1 << 16)
+    sym = np.repeat(np.arange(freq.size), freq)
+    start = np.concatenate(([0], np.cumsum(freq)[:-1]))
+    np.testing.assert_array_equal(table & 0xFFFF, freq[sym])
+    np.testing.assert_array_equal((table >> 16) & 0xFFFF, slot - start[sym])
+    np.testing.assert_array_equal((table >> 32) & 0xFF, sym // 3)
+    np.testing.assert_array_equal(table >> 40, sym % 3)
+    for bad in ([1 << 16, 0], [40000, 25535], [40000, 25537], [-1, 1 << 16, 1]):
+        assert build(np.array(bad, np.int64), 2, np.zeros(1 << 16, np.uint64)) == -1, bad
 
 
 def test_joint_stream_rejections():
@@ -877,7 +897,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     for name in ("diff_words", "diff16", "diff16_bitscan", "affine_index", "strictly_increasing_below", "leb128",
                  "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
-                 "joint_excess_bits", "rans_encode_joint", "rans_decode_joint", "xor_add_entropies",
+                 "joint_excess_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint", "xor_add_entropies",
                  "entropy_of_counts"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
