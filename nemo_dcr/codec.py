@@ -618,12 +618,25 @@ class _ValuesReader:
             self.stream = RansStream.read(rd, literal + escape, f"{where}: symbols", np.int16)
             self.alphabet, self.model = self.stream.alphabet, None
 
+    def _check_alphabet(self) -> None:
+        if self.alphabet != self.literal + self.escape:
+            raise PositionsError(f"{self.where}: symbol stream alphabet {self.alphabet} != table {self.literal} "
+                                 f"+ escape {self.escape}")
+
+    def direct_table(self) -> np.ndarray | None:
+        """For a section without escapes whose values are 8 or 16 bits: the checked section's
+        table (value symbol -> value), so that the joint decoder writes the values themselves
+        (`joint.decode_joint`); None otherwise (then `values` looks the symbols up)."""
+        if self.escape or self.dt.itemsize > 2:
+            return None
+        self._check_alphabet()
+        self.rd.done(f"{self.where}: symbols section")
+        return self.table
+
     def values(self, sym: np.ndarray) -> np.ndarray:
         """The m values given the stream's symbols."""
         rd, literal, escape, where, bits = self.rd, self.literal, self.escape, self.where, self.dt.bits_numpy
-        if self.alphabet != literal + escape:
-            raise PositionsError(f"{where}: symbol stream alphabet {self.alphabet} != table {literal} "
-                                 f"+ escape {escape}")
+        self._check_alphabet()
         ext = np.zeros(literal + escape, dtype=bits)
         ext[:literal] = self.table
         vals = np.empty(self.m, dtype=bits)
@@ -1219,11 +1232,14 @@ def _decode_joint(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompre
     with _AsBad(f"{where} values"):
         values = _ValuesReader(_section_bytes(body, m.values, f"{where} values", dctx), m.count, m.dtype, where,
                                coding="joint")
+        direct = values.direct_table()  # the decoder then writes the values, not their symbols
     with _AsBad(f"{where} positions"):
-        qsym, vsym = decode_joint(gaps.model, values.model, gaps.words, m.count)
+        qsym, second = decode_joint(gaps.model, values.model, gaps.words, m.count, direct)
         pos = gaps.positions(qsym, m.numel)
+    if direct is not None:
+        return Record(m.name, m.dtype.name, m.shape, m.op, pos, second)
     with _AsBad(f"{where} values"):
-        vals = values.values(vsym)
+        vals = values.values(second)
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
 
 

@@ -76,23 +76,31 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     return gp.chunks(rans_stream_chunks(f1, out[start:])), vp.chunks([model_bytes(f2)])
 
 
-def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int,
+                 values: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(m quotients as uint8, m value symbols as int16) of a joint stream, given the two
-    models as read (`positions.read_model`, checked) and the stream's words. Raises
-    PositionsError for a stream that is not one."""
+    models as read (`positions.read_model`, checked) and the stream's words. With
+    `values`, the values' table of 8- or 16-bit values, one per value symbol (a section
+    without escapes), the second array holds the values themselves (that table's dtype):
+    the decoder writes them where it would write the symbols, and no lookup pass follows.
+    Raises PositionsError for a stream that is not one."""
     cells = f1.size * f2.size
     if cells > MAX_CELLS:
         raise PositionsError(f"joint stream: {f1.size} x {f2.size} symbols exceed {MAX_CELLS}")
+    if values is not None and (values.size != f2.size or values.dtype.itemsize > 2):
+        raise PositionsError(f"joint stream: {values.size} values of {values.dtype.itemsize} bytes for "
+                             f"{f2.size} value symbols")
     f1 = f1.astype(np.int64)
     f2 = f2.astype(np.int64)
     freq = np.empty(cells, np.int64)
     if _k.rans_product_model(f1, f2, freq) < 2:
         raise PositionsError("joint stream: its model has fewer than two symbols")
     table = np.empty(_k.PROB_SCALE, np.uint64)
-    if _k.rans_joint_table(freq, f2.size, table):
+    vmap = np.arange(f2.size) if values is None else values
+    if _k.rans_joint_table(freq, f2.size, vmap, table):
         raise PositionsError("joint stream: its model does not cover the 2**16 slots")
     q = np.empty(m, np.uint8)
-    v = np.empty(m, np.int16)
+    v = np.empty(m, np.int16 if values is None else values.dtype)
     status = _k.rans_decode_joint(words, table, q, v)
     if status:
         why = {-1: "bad initial states", -2: "words run out",

@@ -1234,21 +1234,23 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
 
 
 @_jit
-def rans_joint_table(freq, a2, table):
+def rans_joint_table(freq, a2, vmap, table):
     """The decoding table of a joint stream of model `freq` (cells q * a2 + v): for each of
     the 2**16 slots, one uint64 with what a decoding step in that slot needs - its
     symbol's frequency (bits 0-15), the slot's offset in the symbol's range (16-31), the
-    quotient q (32-39) and the value symbol v (40-55) - so that a step loads one entry
-    where slot -> symbol -> frequency, start, quotient and value took five dependent loads
-    (12-25% of the decoder's time on 3-5% refits' streams). Returns 0, or -1 when the
-    model does not cover the slots exactly (a negative, 2**16 or larger frequency, or a
-    sum other than 2**16): the table would then hold unwritten entries."""
+    quotient q (32-39) and vmap[v] (40-55: the value symbol, vmap = arange(a2), or the
+    value itself where vmap is the values' table of 8- or 16-bit values) - so that a step
+    loads one entry where slot -> symbol -> frequency, start, quotient and value took five
+    dependent loads (12-25% of the decoder's time on 3-5% refits' streams). Returns 0, or
+    -1 when the model does not cover the slots exactly (a negative, 2**16 or larger
+    frequency, or a sum other than 2**16): the table would then hold unwritten entries."""
     at = 0
     for s in range(freq.size):
         f = freq[s]
         if f < 0 or f >= PROB_SCALE or at + f > PROB_SCALE:
             return -1
-        top = np.uint64(f) | (np.uint64(s // a2) << np.uint64(32)) | (np.uint64(s % a2) << np.uint64(40))
+        top = (np.uint64(f) | (np.uint64(s // a2) << np.uint64(32))
+               | ((np.uint64(vmap[s % a2]) & np.uint64(0xFFFF)) << np.uint64(40)))
         for j in range(f):
             table[at + j] = top | (np.uint64(j) << np.uint64(16))
         at += f
@@ -1258,10 +1260,10 @@ def rans_joint_table(freq, a2, table):
 @_jit
 def _decode_step_joint(x, words, p, table, q, v, k):
     """`_decode_step` of the joint stream, through its `rans_joint_table`: the symbol's
-    quotient and value symbol go to q[k] / v[k]."""
+    quotient and value field (its value symbol or its value) go to q[k] / v[k]."""
     e = table[x & np.uint64(0xFFFF)]
-    q[k] = np.uint8((e >> np.uint64(32)) & np.uint64(0xFF))
-    v[k] = np.int16((e >> np.uint64(40)) & np.uint64(0xFFFF))
+    q[k] = (e >> np.uint64(32)) & np.uint64(0xFF)
+    v[k] = (e >> np.uint64(40)) & np.uint64(0xFFFF)
     x = (e & np.uint64(0xFFFF)) * (x >> np.uint64(16)) + ((e >> np.uint64(16)) & np.uint64(0xFFFF))
     small = x < np.uint64(RANS_L)
     w = (x << np.uint64(16)) | np.uint64(words[p])
@@ -1271,7 +1273,8 @@ def _decode_step_joint(x, words, p, table, q, v, k):
 @_jit
 def rans_decode_joint(words, table, q, v):
     """Decode len(q) symbols of a stream written by `rans_encode_joint` into their
-    quotients q and value symbols v, through the model's `rans_joint_table`. Returns 0,
+    quotients q and value fields v (value symbols or values: the `rans_joint_table`
+    through which it decodes says which). Returns 0,
     or -1 bad initial states, -2 the words run out, -3 the stream does not end exactly
     where the symbols do (all four states back at 2**16, every word read).
 

@@ -885,6 +885,23 @@ def test_v2_constriction_encodings_are_unknown(part, old, gone):
         peek_header(bad)
 
 
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "I8", "F8_E4M3"])
+def test_joint_records_of_narrow_values_decode_to_their_values(dtype):
+    """A joint record without escaped values is decoded straight to its values (the joint
+    decoder's table holds them, joint.decode_joint): the same values, in the dtype's bits,
+    for 16- and 8-bit dtypes alike."""
+    rng = np.random.default_rng(4)
+    dt = dtypes.from_name(dtype)
+    n, numel = 6000, 200_000
+    pos = np.sort(rng.choice(numel, n, replace=False)).astype(np.uint64)
+    top = np.iinfo(dt.bits_numpy).max
+    vals = rng.choice(np.array([1, 2, top], dt.bits_numpy), n, p=[0.6, 0.1, 0.3])
+    p = payload(Record("w", dtype, (numel,), Op.ADD, pos, vals))
+    data = encode(p, version=5)
+    assert encodings(data) == [("gaps_joint", "symbols_joint")]
+    assert_same(p, decode(data))
+
+
 def test_value_symbols_escape_and_wide_alphabets():
     rng = np.random.default_rng(9)
     n = 40_000

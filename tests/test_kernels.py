@@ -771,11 +771,17 @@ def test_joint_stream_roundtrip(m):
     np.testing.assert_array_equal(got_q, q)
     np.testing.assert_array_equal(got_v, lut[vals])
     table = np.empty(1 << 16, np.uint64)
-    assert kernels.rans_joint_table.py_func(freq, f2.size, table) == 0
+    assert kernels.rans_joint_table.py_func(freq, f2.size, np.arange(f2.size), table) == 0
     qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
     assert kernels.rans_decode_joint.py_func(words[0], table, qq, vv) == 0
     np.testing.assert_array_equal(qq, q)
     np.testing.assert_array_equal(vv, lut[vals])
+    # with the values' table the decoder writes the values themselves
+    value_table = np.array([1, 3, 7, 15, 0x8001], np.uint16)[:f2.size]
+    got_q, got_vals = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words[0], m, value_table)
+    np.testing.assert_array_equal(got_q, q)
+    assert got_vals.dtype == np.uint16
+    np.testing.assert_array_equal(got_vals, vals)
     if m >= 64:  # near the two streams' entropy
         bits = sum(float((c[c > 0] * np.log2(c.sum() / c[c > 0])).sum())
                    for c in (np.bincount(q), np.bincount(lut[vals])))
@@ -785,21 +791,24 @@ def test_joint_stream_roundtrip(m):
 @pytest.mark.parametrize("compiled", [True, False])
 def test_joint_table_covers_every_slot_or_refuses(compiled):
     """Each slot's entry names its symbol's frequency, the slot's offset in the symbol's
-    range, the cell's quotient and value symbol; a model that does not cover the 2**16
-    slots exactly is refused (-1), leaving no entry unwritten behind a 0."""
+    range, the cell's quotient and its value symbol's field (the symbol, or the value the
+    map gives it); a model that does not cover the 2**16 slots exactly is refused (-1),
+    leaving no entry unwritten behind a 0."""
     build = kernels.rans_joint_table if compiled else kernels.rans_joint_table.py_func
     freq = np.array([0, 40000, 1, 0, 25534, 1], np.int64)  # a2 = 3: cells (0,0) .. (1,2)
-    table = np.zeros(1 << 16, np.uint64)
-    assert build(freq, 3, table) == 0
     slot = np.arange(1 << 16)
     sym = np.repeat(np.arange(freq.size), freq)
     start = np.concatenate(([0], np.cumsum(freq)[:-1]))
-    np.testing.assert_array_equal(table & 0xFFFF, freq[sym])
-    np.testing.assert_array_equal((table >> 16) & 0xFFFF, slot - start[sym])
-    np.testing.assert_array_equal((table >> 32) & 0xFF, sym // 3)
-    np.testing.assert_array_equal(table >> 40, sym % 3)
+    values = np.array([7, 0xFFFF, 0x8001], np.uint16)
+    for vmap, field in ((np.arange(3), sym % 3), (values, values[sym % 3])):  # value symbols, or values
+        table = np.zeros(1 << 16, np.uint64)
+        assert build(freq, 3, vmap, table) == 0
+        np.testing.assert_array_equal(table & 0xFFFF, freq[sym])
+        np.testing.assert_array_equal((table >> 16) & 0xFFFF, slot - start[sym])
+        np.testing.assert_array_equal((table >> 32) & 0xFF, sym // 3)
+        np.testing.assert_array_equal(table >> 40, field)
     for bad in ([1 << 16, 0], [40000, 25535], [40000, 25537], [-1, 1 << 16, 1]):
-        assert build(np.array(bad, np.int64), 2, np.zeros(1 << 16, np.uint64)) == -1, bad
+        assert build(np.array(bad, np.int64), 2, np.arange(2), np.zeros(1 << 16, np.uint64)) == -1, bad
 
 
 def test_joint_stream_rejections():
