@@ -1236,10 +1236,8 @@ def _decode_joint(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompre
     with _AsBad(f"{where} positions"):
         qsym, second = decode_joint(gaps.model, values.model, gaps.words, m.count, direct)
         pos = gaps.positions(qsym, m.numel)
-    if direct is not None:
-        return Record(m.name, m.dtype.name, m.shape, m.op, pos, second)
     with _AsBad(f"{where} values"):
-        vals = values.values(second)
+        vals = second if direct is not None else values.values(second)
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
 
 

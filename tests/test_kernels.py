@@ -777,7 +777,8 @@ def test_joint_stream_roundtrip(m):
     np.testing.assert_array_equal(qq, q)
     np.testing.assert_array_equal(vv, lut[vals])
     # with the values' table the decoder writes the values themselves
-    value_table = np.array([1, 3, 7, 15, 0x8001], np.uint16)[:f2.size]
+    value_table = np.zeros(f2.size, np.uint16)
+    value_table[lut[vals]] = vals  # value symbol -> value
     got_q, got_vals = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words[0], m, value_table)
     np.testing.assert_array_equal(got_q, q)
     assert got_vals.dtype == np.uint16
