@@ -361,6 +361,35 @@ def test_affine_kernel_rows_are_exact_far_out(compiled):
             assert out.tolist() == want, (cols, centre)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_affine_kernel_multiply_shift_rows_match_integer_division(compiled):
+    """Offsets in [0, 2**31) of pieces with row_stride >= cols take a multiply by a 32-bit
+    reciprocal and a shift for the row: exact for every width up to 2**31 - 1, at both
+    ends of every row and at the top of the range; offsets outside it (below the start,
+    2**31 and past) and shrinking strides take the double-precision loop, in the same call."""
+    fn = kernels.affine_index if compiled else kernels.affine_index.py_func
+    rng = np.random.default_rng(31)
+    top = (1 << 31) - 1
+    widths = [1, 2, 3, 7, 4096, 7168, 12345, (1 << 30) + 1, top] + rng.integers(1, top, 6 if compiled else 2).tolist()
+    for cols in widths:
+        for grow in (0, 1, 9, cols, (1 << 31) - 1 - cols, -1, 1 << 31):
+            rows = np.array([0, 1, 2, top // cols - 1, top // cols], np.int64)
+            rel = np.concatenate([rows * cols, rows * cols - 1, rows * cols + cols - 1, [top, top - 1, 0]])
+            if compiled:
+                rel = np.concatenate([rel, rng.integers(0, top, 2000)])
+            for extra in ([], [-cols, top], [0, 1 << 31, (1 << 33) + 5]):
+                r = np.unique(np.concatenate([rel, extra]).astype(np.int64))
+                # all narrow; some below the start; some at 2**31 and past (none below)
+                r = r[(r >= min(extra, default=0)) & (r <= max(extra, default=top))]
+                local = r + 11
+                out = np.empty(local.size, np.int64)
+                fn(local, 11, cols, 5, cols + grow, out)
+                want = [5 + (v // cols) * (cols + grow) + v % cols for v in r.tolist()]
+                if max(map(abs, want)) >= 1 << 62:
+                    continue  # past any tensor's flat index (int64 wraps)
+                assert out.tolist() == want, (cols, grow, extra)
+
+
 def test_piece_in_place_maps_without_a_copy():
     """A contiguous piece that sits where the local tensor does (a data-parallel shard of a
     tensor placed as is) hands the positions back as they are; one elsewhere shifts them."""
