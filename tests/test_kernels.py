@@ -504,6 +504,53 @@ def test_gaps_split_matches_a_numpy_reference(compiled, r, dtype):
         assert low[:nb].tolist() == [int(bits[k:k + 8], 2) for k in range(0, len(bits), 8)]
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_low_bits_packed_from_bytes_match_the_positions_loop(compiled):
+    """`_pack_low_bytes` (shifts 1-8, eight gaps a step from their low bytes, one 8-byte
+    store each) writes exactly what `_pack_low_bits` writes from the positions, into an
+    array of exactly (n * r + 7) // 8 bytes (the steps whose store would pass its end take
+    the bit loop), and nothing past it; a strided output array takes the bit loop."""
+    pack = kernels._pack_low_bytes if compiled else kernels._pack_low_bytes.py_func
+    rng = np.random.default_rng(5)
+    for r in range(1, 9):
+        for n in list(range(0, 70)) + [1000, 4099]:
+            p = np.cumsum(rng.integers(1, 4 << r, n)).astype(np.int64)
+            g = np.diff(p, prepend=-1) - 1
+            lows = np.zeros(-(-n // 8) * 8, np.uint8)
+            lows[:n] = g & ((1 << r) - 1)
+            size = (n * r + 7) // 8
+            want = np.zeros(size, np.uint8)
+            assert kernels._pack_low_bits(p, r, want) == size
+            low = np.full(size + 9, 0xAB, np.uint8)
+            assert pack(lows, n, r, low[:size]) == size
+            np.testing.assert_array_equal(low[:size], want)
+            assert (low[size:] == 0xAB).all()
+            strided = np.zeros(2 * size, np.uint8)
+            assert pack(lows, n, r, strided[::2]) == size
+            np.testing.assert_array_equal(strided[::2], want)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_symbol_counts_match_bincount(compiled):
+    """`_count_symbols`: symbols below 16 counted 64 at a time, the rest one at a time, the
+    last n % 64 by the interleaved counters; on contiguous and strided symbols, added to
+    the counts already there."""
+    count = kernels._count_symbols if compiled else kernels._count_symbols.py_func
+    rng = np.random.default_rng(6)
+    for n in (0, 1, 63, 64, 65, 127, 128, 1000, 5000):
+        for top in (1, 15, 16, 17, 256):
+            sym = np.minimum(rng.geometric(0.3, n) - 1, top - 1).astype(np.uint8)
+            sym[::97] = top - 1
+            counts = np.full(256, 3, np.int64)
+            count(sym, n, counts)
+            np.testing.assert_array_equal(counts, np.bincount(sym, minlength=256) + 3)
+            spread = np.zeros(2 * n, np.uint8)
+            spread[::2] = sym
+            counts = np.zeros(256, np.int64)
+            count(spread[::2], n, counts)
+            np.testing.assert_array_equal(counts, np.bincount(sym, minlength=256))
+
+
 def _rice_sample(p: np.ndarray) -> np.ndarray:
     """The gaps `kernels.rice_shift` estimates on: all of them below 2**15 positions, else
     256 runs of 64 consecutive gaps, run b starting at gap 1 + b * stride (negative ones as 0)."""
