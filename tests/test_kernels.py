@@ -628,6 +628,34 @@ def test_histogram_lines_counts_every_value_once(n):
 
 
 @pytest.mark.parametrize("compiled", [True, False])
+def test_histogram_of_few_values_counts_by_compares_and_the_rest_by_the_table(compiled):
+    """16-bit values whose first 4096 hold at most 16 distinct ones are counted by 32-lane
+    compares (kernels._count_few): values the sample never showed, a switch to many values
+    after the sample (which stops the compares), exactly 16 and 17 distinct values in the
+    sample, every tail modulo 32, a strided array; always np.unique's answer, the tables
+    zeroed again."""
+    hist = kernels.histogram_lines if compiled else kernels.histogram_lines.py_func
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 1 << 15, 40_000).astype(np.uint16)
+    ulp = (x ^ (x + rng.choice(np.array([1, 0xFFFF], np.uint16), x.size))).astype(np.uint16)
+    rare = ulp.copy()
+    rare[5000::3001] = rng.integers(0, 1 << 16, rare[5000::3001].size)  # never in the sample
+    switch = np.concatenate([np.full(6000, 9, np.uint16), rng.integers(0, 1 << 16, 30_000).astype(np.uint16)])
+    sixteen = rng.choice(np.arange(16, dtype=np.uint16) * 4099, 20_000)
+    seventeen = rng.choice(np.arange(17, dtype=np.uint16) * 3, 20_000)
+    cases = [ulp, rare, switch, sixteen, seventeen, rng.choice(np.array([1, 0xFFFF], np.uint16), 16_417),
+             np.full(16_384 + 31, 0xFFFF, np.uint16), ulp[::2]]
+    table, lines = np.zeros(4 << 16, np.uint32), np.zeros(1 << 14, np.uint8)
+    for vals in cases if compiled else cases[:3]:
+        distinct, found = np.empty(1 << 16, np.uint16), np.empty(1 << 16, np.int64)
+        k = hist(vals, table, lines, distinct, found)
+        expect, expect_counts = np.unique(vals, return_counts=True)
+        np.testing.assert_array_equal(distinct[:k], expect)
+        np.testing.assert_array_equal(found[:k], expect_counts)
+        assert not table.any() and not lines.any()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("width", [1, 2])
 def test_xor_add_entropies_match_the_histograms_of_both_value_arrays(compiled, width):
     """op "auto"'s choice from (add, new bits): the entropies of new ^ old and of
