@@ -36,13 +36,6 @@ MAX_CELLS = 1 << 14
 MAX_EXCESS = 0.002
 
 
-def _model_bits(counts: np.ndarray, freq: np.ndarray) -> float:
-    """Bits of coding symbols with these counts by this model (16 - log2 f each)."""
-    c = np.asarray(counts, dtype=np.float64)
-    used = c > 0
-    return float((c[used] * (_k.PROB_BITS - np.log2(freq[used]))).sum())
-
-
 def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | None:
     """(positions section, values section) of a record as chunks, the joint stream in the
     former; None when the record should keep two streams: a model of one symbol, more
@@ -58,7 +51,7 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     if isinstance(t1, bytes) or isinstance(t2, bytes):
         return None
     (f1, _), (f2, _) = t1, t2
-    bits2 = _model_bits(c2, f2)
+    bits2 = _k.model_bits(c2, f2)
     if bits2 / 8 + len(vp.head) + len(vp.tail) > value_budget:
         return None
     freq = np.empty(cells, np.int64)
@@ -66,7 +59,7 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
         return None
     # A float estimate: a record on the threshold's very edge could go either way between
     # builds (compiled or not); both decode to the same record.
-    if _k.joint_excess_bits(f1, f2, c1, c2, freq) > MAX_EXCESS * (_model_bits(c1, f1) + bits2):
+    if _k.joint_excess_bits(f1, f2, c1, c2, freq) > MAX_EXCESS * (_k.model_bits(c1, f1) + bits2):
         return None
     cum = np.zeros(cells, np.int64)
     np.cumsum(freq[:-1], out=cum[1:])

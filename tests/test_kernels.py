@@ -628,6 +628,21 @@ def test_histogram_lines_counts_every_value_once(n):
 
 
 @pytest.mark.parametrize("compiled", [True, False])
+def test_model_bits_sum_each_occurring_symbols_code_length(compiled):
+    """kernels.model_bits: sum of c * (16 - log2 f) over the symbols that occur (the joint
+    stream's size estimates); symbols with no count cost nothing, whatever their frequency."""
+    bits = kernels.model_bits if compiled else kernels.model_bits.py_func
+    rng = np.random.default_rng(9)
+    for size in (1, 2, 17, 256):
+        counts = rng.integers(0, 1000, size).astype(np.int64)
+        counts[::3] = 0
+        freq = rng.integers(1, 1 << 15, size).astype(np.int64)
+        want = sum(int(c) * (16 - np.log2(int(f))) for c, f in zip(counts, freq) if c)
+        assert bits(counts, freq) == pytest.approx(want, rel=1e-12, abs=1e-9)
+    assert bits(np.array([0, 5], np.int64), np.array([0, 1 << 15], np.int64)) == 5.0
+
+
+@pytest.mark.parametrize("compiled", [True, False])
 def test_histogram_of_few_values_counts_by_compares_and_the_rest_by_the_table(compiled):
     """16-bit values whose first 4096 hold at most 16 distinct ones are counted by 32-lane
     compares (kernels._count_few): values the sample never showed, a switch to many values
@@ -1011,7 +1026,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     for name in ("diff_words", "diff16", "diff16_bitscan", "affine_index", "strictly_increasing_below", "leb128",
                  "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
-                 "joint_excess_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint", "xor_add_entropies",
+                 "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint", "xor_add_entropies",
                  "entropy_of_counts"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
