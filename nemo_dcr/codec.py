@@ -548,7 +548,7 @@ def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
             + table.astype(bits, copy=False).tobytes())
     if width <= 2:
         # Without escapes every value is in the table and the lut is read only at the values:
-        # the other entries need no fill (a 128 KB memset a record, ~7% of a small one's cost).
+        # the other entries need no fill (a 128 KB memset a record saved).
         lut = np.full(1 << (8 * width), literal, np.int16) if escape else np.empty(1 << (8 * width), np.int16)
         lut[table] = np.arange(literal, dtype=np.int16)
         if not escape:  # the symbols are looked up while they are coded

@@ -348,7 +348,9 @@ def affine_index(local, local_start, cols, offset, row_stride, out):
     vectorised loop does eight to a 512-bit register (0.30-0.44 against 0.64-0.84 ns a
     position on an Emerald Rapids core, where the double-precision row below needed
     64-bit multiplies). Anything else, or an offset out of that range (checked on the
-    way), takes `_affine_index_wide`."""
+    way), takes `_affine_index_wide`: a call whose positions reach 2**31 past the piece's
+    start (a piece of more than 2**31 elements) pays both loops; splitting the check into
+    blocks cost the vectorised loop 4x and was not kept."""
     grow = row_stride - cols  # canonical = local - local_start + offset + row * grow
     if 1 <= cols < _AFFINE_NARROW and 0 <= grow < _AFFINE_NARROW:
         l = 0
@@ -637,9 +639,8 @@ def _count_symbols(sym, n, counts):
     Symbols below _SMALL_SYMBOLS, nearly all of a Rice split's quotients (99.4% of them in
     `trainer_speed.py`'s refits at 5%, 97% at 1%), are counted 64 at a time, one byte
     compare and popcount per symbol value (`_eq_mask`); the others, which one more
-    compare finds (`_ge_mask`), one at a time; the last n % 64 in four interleaved
-    counters per symbol, as every symbol was before: a run of equal symbols would otherwise
-    chain each increment on the one before. 0.14-0.18 against 0.37 ns a gap."""
+    compare finds (`_ge_mask`), one at a time, as are the last n % 64 (and every symbol of a
+    strided array, which the 64-byte compares cannot read)."""
     small = np.zeros(_SMALL_SYMBOLS, np.int64)
     one = np.uint64(1)
     blocks = n // 64 if sym.strides[0] == 1 else 0  # the compares read 64 bytes at once
@@ -653,17 +654,8 @@ def _count_symbols(sym, n, counts):
             m &= m - one
     for s in range(min(_SMALL_SYMBOLS, counts.size)):
         counts[s] += small[s]
-    nc = counts.size
-    c4 = np.zeros(4 * nc, np.int64)
-    start = 64 * blocks
-    m4 = start + (n - start) // 4 * 4
-    for i in range(start, m4, 4):
-        for u in range(4):
-            c4[4 * np.int64(sym[i + u]) + u] += 1
-    for i in range(m4, n):
-        c4[4 * np.int64(sym[i])] += 1
-    for k in range(nc):
-        counts[k] += c4[4 * k] + c4[4 * k + 1] + c4[4 * k + 2] + c4[4 * k + 3]
+    for i in range(64 * blocks, n):
+        counts[sym[i]] += 1
 
 
 _BYTES = np.uint64(0x00FF00FF00FF00FF)  # _pack_low_bytes' lane masks: bytes, 16-bit halves
