@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from nemo_dcr import codec  # noqa: E402
 from nemo_dcr.positions import entropy_bits  # noqa: E402
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
@@ -339,8 +339,7 @@ def main() -> None:
     real = real_model(args)
     print(f"[codec] sweep 0.1%..50% at {args.sweep_n:,} elements", flush=True)
     sw = sweep(args, rng)
-    result = {"benchmark": "codec", "smoke": args.smoke, "machine": {"python": platform.python_version(),
-              "platform": platform.platform(), "processor": platform.processor()},
+    result = {"benchmark": "codec", "smoke": args.smoke, "machine": machine_info(),
               "format_version": codec.FORMAT_VERSION, "synthetic": syn, "real": real, "sweep": sw,
               "wall_s": time.perf_counter() - t0}
     out = results_path("codec", args.out, args.smoke)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_dims, qwen3_shapes  # noqa: E402
 from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
 from tests.support.launch import free_port  # noqa: E402
@@ -327,7 +327,7 @@ def inside(args) -> int:
                   "cores": cores, "dense_transfer_s": dense_s, "dense_load_s": load_s,
                   "dense_loads_at_once_s": load_together_s,
                   "full_refit_s": full_refit_s, "rows": out_rows,
-                  "machine": {"python": platform.python_version(), "platform": platform.platform()}}
+                  "machine": machine_info()}
         path = results_path("e2e_link", args.out, args.smoke)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from nemo_dcr import dtypes, registry  # noqa: E402
 from nemo_dcr.capture import torch_owned_ranges  # noqa: E402
 from nemo_dcr.checkpoint import read_specs  # noqa: E402
@@ -120,8 +120,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     repeats = 1 if args.smoke else args.repeats
     out: dict = {"benchmark": "reliability_costs", "smoke": args.smoke, "rate": args.rate,
-                 "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                             "cpus": os.cpu_count(), "load_average": os.getloadavg()}}
+                 "machine": machine_info(load_average=os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="dcr-relcost-") as tmp:
         tmp = Path(tmp)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)

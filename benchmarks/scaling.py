@@ -52,7 +52,6 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -65,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
 from tests.support.launch import free_port  # noqa: E402
 
@@ -486,8 +486,7 @@ def run(args) -> int:
                            "each copied in place into the receivers' tensors (no diff, no codec); "
                            "timed begin -> every payload applied on every receiver",
         "links": out_links, "points": points, "wall_s": time.perf_counter() - t_start,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                    "torch": torch.__version__, "load_average_end": list(os.getloadavg())},
+        "machine": machine_info(load_average_end=list(os.getloadavg())),
     }
     out = results_path("scaling", args.out, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)

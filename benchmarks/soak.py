@@ -64,7 +64,6 @@ import gc
 import json
 import math
 import os
-import platform
 import select
 import shutil
 import socket
@@ -79,6 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 
 COUNTS = ("fds", "sockets", "files", "shm", "threads")
 HEAP = ("gc_objects", "py_blocks", "pool_threads", "heap_in_use_mib", "heap_free_mib")
@@ -725,8 +725,7 @@ def report(args, out, series, per_refit, procs, before, after, codes, leftovers,
                        "counts": "minimum of the last fifth <= minimum of the first fifth",
                        "gc_objects_and_py_blocks": "growth and fitted growth <= max(0.1%, 100)"},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+        "machine": machine_info(),
         "per_refit": {k: list(v) for k, v in per_refit.items()},
         "samples": {name: {k: list(v) for k, v in s.items()} for name, s in series.items()},
         "checks": checks,

@@ -58,7 +58,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -71,6 +70,7 @@ sys.path.insert(0, str(REPO))
 
 from nemo_dcr import codec, kernels  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_shapes  # noqa: E402
 from nemo_dcr.baseline import Baseline  # noqa: E402
 from nemo_dcr.capture import even_split  # noqa: E402
@@ -209,14 +209,6 @@ def touched_pair(elements: int) -> tuple[np.ndarray, np.ndarray]:
     return src, dst
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true")
@@ -340,10 +332,7 @@ def main() -> None:
               "tensors": len(owned),
               "gpu": torch.cuda.get_device_name() if cuda else None, "elements": total, "threads": 1 + threads,
               "wire_version": args.wire_version, "device_coding": args.device_coding,
-              "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                          "torch": torch.__version__, "numpy": np.__version__,
-                          "cpu": _cpu_model(), "load_average_before": load_before,
-                          "load_average": list(os.getloadavg())},
+              "machine": machine_info(load_average_before=load_before, load_average=list(os.getloadavg())),
               "compiled_kernels": kernels.HAVE_NUMBA, "vector_diff": kernels.HAVE_VECTOR_DIFF,
               "rows": rows_out}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
+from benchmarks.machine import machine_info  # noqa: E402
 from nemo_dcr import registry  # noqa: E402
 from nemo_dcr.transport import TransferInfo  # noqa: E402
 
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                       f"{r['throughput_MBps']:>10.1f}", flush=True)
     out = results_path("transports", args.out, args.smoke)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+    meta = {"machine": machine_info(),
             "note": "loopback; receivers are separate processes; best of repeats"}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     png = out.with_suffix(".png")

@@ -58,6 +58,7 @@ def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads, coding):
     assert res["benchmark"] == "trainer_speed" and res["threads"] == 1 + threads and res["layout"] == layout
     assert res["wire_version"] == (6 if coding else codec.FORMAT_VERSION)
     assert res["tensors"] == (4 if layout == "weights" else 14)
+    assert {"cpu", "cpu_family", "cpu_model", "l3_cache", "isa", "torch", "numpy"} <= res["machine"].keys()
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
         assert {"diff_gbs", "place_gbs", "encode_gbs", "ratio_to_memcpy", "wire_bytes"} <= row.keys()
