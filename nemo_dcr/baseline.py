@@ -35,6 +35,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,11 @@ class _Pending:
     positions: list[torch.Tensor] = field(default_factory=list)
     new: list[torch.Tensor] = field(default_factory=list)
     on_device: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # for a device mirror
+    local_of: list[Callable | None] = field(default_factory=list)  # see Baseline.stage
+
+    def local_positions(self) -> torch.Tensor:
+        """The staged positions, relative to the range, in one tensor."""
+        return torch.cat([pos if f is None else f(pos) for pos, f in zip(self.positions, self.local_of)])
 
 
 class Baseline:
@@ -118,9 +124,13 @@ class Baseline:
         self._pending, self._pending_target = {}, target_version
 
     def stage(self, key: str, positions: torch.Tensor, new: torch.Tensor, *,
-              on_device: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              on_device: tuple[torch.Tensor, torch.Tensor] | None = None,
+              local_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Remember changed positions (relative to the range) and their new bits;
-        `on_device`: the same two already on a GPU, for the range's device mirror."""
+        `on_device`: the same two already on a GPU, for the range's device mirror.
+        `local_of`: `positions` are in other coordinates (the canonical ones the producer's
+        diff gave), and local_of(positions) gives the range's; it runs at the commit, in
+        its background update, off the refit's critical path."""
         if self._pending is None:
             raise RuntimeError("stage() outside a transfer: call begin() first")
         p = self._pending.setdefault(key, _Pending())
@@ -129,6 +139,7 @@ class Baseline:
             p.on_device.append(on_device)  # commit updates the mirror without a host round trip
         p.positions.append(positions.cpu())
         p.new.append(new.cpu())
+        p.local_of.append(local_of)
 
     def commit(self) -> int:
         """Make the pending transfer's bits the committed baseline (joint commit).
@@ -282,7 +293,7 @@ class Baseline:
 
 def _merged(pending: dict[str, _Pending]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each range's staged changes as one (positions, new bits) pair."""
-    return {key: (torch.cat(p.positions), torch.cat(p.new)) for key, p in pending.items() if p.positions}
+    return {key: (p.local_positions(), torch.cat(p.new)) for key, p in pending.items() if p.positions}
 
 
 def fingerprint(*parts) -> str:

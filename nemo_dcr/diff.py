@@ -114,6 +114,39 @@ _MODES = {("old",): kernels.DIFF_OLD, ("xor",): kernels.DIFF_XOR, ("add",): kern
           (): kernels.DIFF_NONE}
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Row skips for `diff_arrays` positions: an element at index i >= `end` has its position
+    `skip` larger for every row end at or before it - `end`, `end + length`, ... - so a
+    chunk of a local tensor whose rows lie apart in the canonical tensor (a row-parallel
+    shard's) gets canonical positions from the diff itself (`kernels.diff16`'s rows)."""
+
+    end: int
+    length: int
+    skip: int
+
+    def fits_blocks(self) -> bool:
+        """Whether every row ends on a DIFF_BLOCK boundary (the scans check rows a block at a time)."""
+        return self.end >= 0 and self.length > 0 and self.end % kernels.DIFF_BLOCK == 0 \
+            and self.length % kernels.DIFF_BLOCK == 0
+
+    def position(self, index, base: int = 0):
+        """base + index plus its row skips (an int, or an int64 array of indices)."""
+        if isinstance(index, np.ndarray):
+            idx = index.astype(np.int64)
+            ends = np.where(idx >= self.end, (idx - self.end) // self.length + 1, 0)
+            return base + idx + ends * self.skip
+        ends = (index - self.end) // self.length + 1 if index >= self.end else 0
+        return base + index + ends * self.skip
+
+    def index(self, positions: np.ndarray, base: int = 0) -> np.ndarray:
+        """The indices (int64) whose `position(index, base)` are `positions`: the inverse."""
+        d = positions.astype(np.int64) - base
+        after = d - self.end - self.skip  # counted from the second row's start
+        period = self.length + self.skip
+        return np.where(d < self.end, d, self.end + after // period * self.length + after % period)
+
+
 class DiffOutput:
     """Where successive `diff_arrays` calls over the chunks of one range write, end to end:
     each call's arrays are views that directly follow the previous call's in the same
@@ -137,7 +170,7 @@ class DiffOutput:
 
 
 def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",), base: int = 0,
-                narrow: bool = False, out: DiffOutput | None = None
+                narrow: bool = False, out: DiffOutput | None = None, rows: Rows | None = None
                 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Changed positions of 1-D integer arrays a (new bits) vs b (committed bits), as one
     compiled pass (requires numba).
@@ -151,15 +184,19 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     AVX-512 host, `kernels.diff16_bitscan` elsewhere (either scan writes the values
     itself); other widths the word scan `kernels.diff_words` plus one vectorised pass per
     value array.
-    `out`: the 16-bit scan writes there, after what earlier calls wrote (see DiffOutput)."""
+    `out`: the 16-bit scan writes there, after what earlier calls wrote (see DiffOutput).
+    `rows`: positions with row skips (16-bit inputs only; see Rows)."""
     if values not in _MODES:
         raise ValueError(f"unsupported values {values!r}")
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     size = a.size
+    if rows is not None and (a.itemsize != 2 or not rows.fits_blocks()):
+        raise ValueError(f"rows {rows} need 16-bit arrays and row ends on {kernels.DIFF_BLOCK}-element blocks")
     if a.itemsize == 2:
         # Positions with `base` added by the scan itself; int32 ones (narrow) take two
         # compresses per 32 elements where int64 ones take four (diff16), and half the bytes.
-        pdt = np.int32 if narrow and base + size < (1 << 31) else np.int64
+        top = base + size if rows is None else rows.position(size - 1, base) + 1
+        pdt = np.int32 if narrow and top < (1 << 31) else np.int64
         kind = (np.dtype(pdt),) + (a.dtype,) * (1 + len(values))
         mode = _MODES[values]
         bufs, start = out.take(kind, size) if out is not None else (None, 0)
@@ -171,8 +208,10 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
 
         scan = kernels.diff16 if kernels.HAVE_VECTOR_DIFF else kernels.diff16_bitscan
 
+        row_args = kernels.NO_ROWS if rows is None else (rows.end, rows.length, rows.skip)
+
         def call(i, n):
-            return scan(a, b, i, base, bufs[0], bufs[1], bufs[2] if values else empty, mode, n)
+            return scan(a, b, i, base, bufs[0], bufs[1], bufs[2] if values else empty, mode, n, *row_args)
 
         def grow(n, room):
             """This chunk's slots so far [start, n) at the front of new buffers with `room` more."""
@@ -190,7 +229,8 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
                 if n + t.size > bufs[0].size:
                     n = grow(n, t.size)
                 x, y = a[i:][t], b[i:][t]
-                for buf, u in zip(bufs, [t + (base + i), x] + [_values_of(x, y, k) for k in values]):
+                at = t + (base + i) if rows is None else rows.position(t + i, base)
+                for buf, u in zip(bufs, [at, x] + [_values_of(x, y, k) for k in values]):
                     buf[n:n + t.size] = u
                 n += t.size
         res = [x[start:n] for x in bufs]

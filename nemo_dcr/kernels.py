@@ -129,6 +129,9 @@ _LANES = 32  # 16-bit elements per 512-bit vector
 # 19.7-21.4 ms instead of 23.3-25.8 at 1-5% changes, no change at 0%; 1024-4096 elements
 # ahead measured alike, non-temporal hints 30-150% slower (BENCHMARKS.md).
 DIFF_PREFETCH = 2048
+# `diff16`'s rows when positions take no row skips: (row_end, row_len, row_skip). Passed
+# explicitly: numba's specialisation for omitted default arguments ran the scan 7-10% slower.
+NO_ROWS = (1 << 62, 1, 0)
 
 
 def _value_py(x, y, kind):
@@ -210,12 +213,23 @@ def _vstep_none(a, b, i, mask, base, pos, new, v, n):
 
 
 @_jit
-def diff16(a, b, i0, base, pos, new, v, mode, n0):
+def _row_base(i, base, row_end, row_len, row_skip):
+    """(base plus the skips of the rows that end at or before element i, the end of the
+    row holding i): see `diff16`'s rows."""
+    if i < row_end:
+        return base, row_end
+    k = (i - row_end) // row_len + 1
+    return base + k * row_skip, row_end + k * row_len
+
+
+@_jit
+def diff16(a, b, i0, base, pos, new, v, mode, n0, row_end, row_len, row_skip):
     """Diff of 16-bit arrays a (new) / b (committed) in blocks of 128 elements, from element
     i0 (a multiple of 128) up to the last whole block; the caller diffs the tail.
 
-    For every element that differs, in order, writes base + index into `pos` (int64, or
-    int32 when base + len(a) < 2**31), its new bits into `new` and, by `mode` (DIFF_*),
+    For every element that differs, in order, writes base + index (plus the rows' skips,
+    below) into `pos` (int64, or int32 when every such position is below 2**31), its new
+    bits into `new` and, by `mode` (DIFF_*),
     its committed bits, xor or wrapping difference into v (an array of a's dtype; empty
     for DIFF_NONE), from slot n0. Slots past the last one written may be
     overwritten too (up to a block beyond it): the buffers need DIFF_BLOCK slots of room.
@@ -227,15 +241,25 @@ def diff16(a, b, i0, base, pos, new, v, mode, n0):
     inputs are prefetched DIFF_PREFETCH elements ahead, so that the compresses do not hold
     up the next blocks' loads. Returns
     (n, i): the slots used and the next element to scan (< the last whole block when the
-    buffers were full; call again with larger buffers)."""
+    buffers were full; call again with larger buffers).
+
+    Rows (`row_end`, `row_len`, `row_skip`; multiples of DIFF_BLOCK but the skip): the
+    positions of elements from `row_end` on are `row_skip` larger, and another `row_skip`
+    for every `row_len` elements after it, so that a block of a canonical tensor's rows
+    (a row-parallel weight's shard) gets its canonical positions here, with no placement
+    pass after the diff. One compare a block."""
     cap = pos.size
     n = n0
     i = i0
     stop = a.size - a.size % DIFF_BLOCK
     ahead = stop - DIFF_PREFETCH  # blocks before this one prefetch the block DIFF_PREFETCH on
+    rb, nxt = _row_base(i, base, row_end, row_len, row_skip)
     while i < stop:
         if n + DIFF_BLOCK > cap:
             return n, i
+        if i >= nxt:  # a block never straddles a row's end
+            rb += row_skip
+            nxt += row_len
         if i < ahead:
             _prefetch_block(a, b, i + DIFF_PREFETCH)
         # One 32-lane compare mask per quarter; a block that differs nowhere costs just that.
@@ -246,13 +270,13 @@ def diff16(a, b, i0, base, pos, new, v, mode, n0):
                 j = i + k * _LANES
                 m = masks[k]
                 if mode == DIFF_XOR:
-                    n = _vstep_xor(a, b, j, m, base, pos, new, v, n)
+                    n = _vstep_xor(a, b, j, m, rb, pos, new, v, n)
                 elif mode == DIFF_ADD:
-                    n = _vstep_add(a, b, j, m, base, pos, new, v, n)
+                    n = _vstep_add(a, b, j, m, rb, pos, new, v, n)
                 elif mode == DIFF_OLD:
-                    n = _vstep_old(a, b, j, m, base, pos, new, v, n)
+                    n = _vstep_old(a, b, j, m, rb, pos, new, v, n)
                 else:
-                    n = _vstep_none(a, b, j, m, base, pos, new, v, n)
+                    n = _vstep_none(a, b, j, m, rb, pos, new, v, n)
         i += DIFF_BLOCK
     return n, i
 
@@ -264,9 +288,9 @@ def _ctz64(m):
 
 
 @_jit
-def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0):
+def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0, row_end, row_len, row_skip):
     """`diff16` for hosts without AVX-512 compress-stores (AVX2 and older): the same
-    arguments, blocks, buffers' room and result, and the same arrays out.
+    arguments (rows too), blocks, buffers' room and result, and the same arrays out.
 
     A block's four 32-lane compare masks are joined into two 64-bit words, and each word's
     set bits are walked with a trailing-zero count: one element's writes per change, no
@@ -281,9 +305,13 @@ def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0):
     stop = a.size - a.size % DIFF_BLOCK
     ahead = stop - DIFF_PREFETCH
     one = np.uint64(1)
+    rb, nxt = _row_base(i, base, row_end, row_len, row_skip)
     while i < stop:
         if n + DIFF_BLOCK > cap:
             return n, i
+        if i >= nxt:
+            rb += row_skip
+            nxt += row_len
         if i < ahead:
             _prefetch_block(a, b, i + DIFF_PREFETCH)
         low = np.uint64(_vmask32(a, b, i)) | (np.uint64(_vmask32(a, b, i + _LANES)) << np.uint64(32))
@@ -296,7 +324,7 @@ def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0):
                 m &= m - one
                 x = a[e]
                 y = b[e]
-                pos[n] = base + e
+                pos[n] = rb + e
                 new[n] = x
                 if mode == DIFF_XOR:
                     v[n] = x ^ y

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from nemo_dcr import kernels as _kernels
+from nemo_dcr.diff import Rows
 
 _INT32 = np.iinfo(np.int32)
 
@@ -93,6 +94,20 @@ class Piece:
         r, c = np.divmod(rel, self.cols)
         return (self.offset + r * self.row_stride + c).astype(out_dtype, copy=False)
 
+    def diff_rows(self, lo: int) -> tuple[int, Rows | None] | None:
+        """(base, rows) with which a 16-bit diff of this piece's local elements from `lo` on
+        gives their canonical positions itself (`diff.diff_arrays`: element k of the diffed
+        range at base + k plus its row skips), or None when a block row's end would fall
+        inside one of the diff's blocks (then the changes are placed after the diff).
+        Contiguous pieces need no rows: one shift."""
+        rel = lo - self.local_start
+        row, col = divmod(rel, self.cols)
+        base = self.offset + row * self.row_stride + col
+        if self.rows <= 1 or self.row_stride == self.cols:
+            return base, None
+        rows = Rows(self.cols - col, self.cols, self.row_stride - self.cols)
+        return (base, rows) if self.monotone and rows.fits_blocks() else None
+
     def canonical_runs(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         """Contiguous canonical runs (starts, lengths) covered by local range [lo, hi).
 
@@ -143,6 +158,16 @@ class AffineMap:
         same canonical tensor are returned separately (callers merge and sort).
         """
         return [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in self.place_spans(local)]
+
+    def diff_placement(self, lo: int, hi: int) -> tuple[str, int, Rows | None] | None:
+        """(canonical name, base, rows) with which a 16-bit diff of local elements [lo, hi)
+        gives their canonical positions itself (Piece.diff_rows), when one piece holds all
+        of them; else None."""
+        for p in self.pieces:
+            if p.local_start <= lo and hi <= p.local_stop:
+                found = p.diff_rows(lo)
+                return None if found is None else (p.canonical, *found)
+        return None
 
     def place_spans(self, local: np.ndarray, shift: int = 0,
                     alloc: Callable[[int, int, np.dtype], np.ndarray] | None = None

@@ -9,6 +9,7 @@ and sends the changes as overwrites, whatever the operation of the affine change
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,7 @@ import torch
 
 from nemo_dcr import codec, dtypes, kernels
 from nemo_dcr.baseline import Baseline
-from nemo_dcr.diff import DiffOutput, diff, diff_arrays
+from nemo_dcr.diff import DiffOutput, Rows, diff, diff_arrays
 from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
 from nemo_dcr.metrics import page_faults
@@ -485,13 +486,21 @@ class Producer:
             for lo in range(0, current.numel(), step):
                 hi = min(lo + step, current.numel())
                 t = time.perf_counter()
+                placed = None  # (canonical name, base, rows) when the diff gives canonical positions
                 if fast:
-                    positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=lo,
-                                                            narrow=True, out=sink)
+                    # A 16-bit chunk inside one piece whose block rows end on diff blocks: the diff
+                    # writes canonical positions (no placement pass over the changes), and the
+                    # baseline maps them back to the range's at the commit.
+                    placed = amap.diff_placement(offset + lo, offset + hi) if cur.itemsize == 2 else None
+                    base, rows = (lo, None) if placed is None else placed[1:]
+                    positions, new_bits, vals = diff_arrays(cur[lo:hi], com[lo:hi], _DIFF_VALUES[op], base=base,
+                                                            narrow=True, out=sink, rows=rows)
                     if positions.size == 0:
                         rep.times["diff"] += time.perf_counter() - t
                         continue
-                    self.baseline.stage(key, torch.from_numpy(positions), torch.from_numpy(new_bits))
+                    moved = rows is not None or base != lo  # the positions are not the range's own
+                    self.baseline.stage(key, torch.from_numpy(positions), torch.from_numpy(new_bits),
+                                        local_of=functools.partial(_range_positions, lo, base, rows) if moved else None)
                     new = _bits_view(new_bits)
                     if op == AUTO:
                         both = (_bits_view(vals[0]), new)
@@ -528,7 +537,9 @@ class Producer:
                 changed += positions.size
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
-                for name, cpos, src, increasing in _placed_spans(amap, positions, offset, slots):
+                spans = (_placed_spans(amap, positions, offset, slots) if placed is None
+                         else [(placed[0], positions.view(_UNSIGNED[positions.dtype]), slice(None), True)])
+                for name, cpos, src, increasing in spans:
                     builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src],
                                 None if new is None else new[src], increasing)
                     rep.placed_elements += cpos.size
@@ -678,6 +689,14 @@ def _placed_spans(amap: AffineMap, positions: np.ndarray, offset: int, slots: _S
                 for name, cpos, lo, hi, increasing in spans]
     placed = [(name, cpos, np.arange(lo, hi)) for name, cpos, lo, hi, _ in spans]
     return [(name, cpos, src, True) for name, (cpos, src) in merge_placed(placed).items()]
+
+
+def _range_positions(lo: int, base: int, rows: Rows | None, positions: torch.Tensor) -> torch.Tensor:
+    """Positions relative to the range of a chunk from `lo` that the diff gave as
+    canonical ones (`base` and `rows` as it was given them): the baseline's coordinates."""
+    pos = positions.numpy()
+    index = pos.astype(np.int64) - base if rows is None else rows.index(pos, base)
+    return torch.from_numpy(index + lo)
 
 
 class _Slots:

@@ -1181,7 +1181,7 @@ def test_streaming_kernels_prefetch():
         if kernel is kernels.scatter_apply:
             fn(a.view(np.uint16), np.arange(100, dtype=np.uint64), np.ones(100, np.uint16), 1)
         else:
-            fn(a, a.copy(), 0, 0, *buf, kernels.DIFF_ADD, 0)
+            fn(a, a.copy(), 0, 0, *buf, kernels.DIFF_ADD, 0, *kernels.NO_ROWS)
         assert any("prefetcht0" in asm for asm in fn.inspect_asm().values()), kernel.__name__
 
 

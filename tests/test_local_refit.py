@@ -179,7 +179,7 @@ def test_first_payload_leaves_before_the_last_range_is_diffed(checkpoint, tmp_pa
     events = []
     real_send, real_stage = s.refit.producer.end.send, s.refit.baseline.stage
     s.refit.producer.end.send = lambda *a: (events.append("send"), real_send(*a))
-    s.refit.baseline.stage = lambda *a: (events.append("diff"), real_stage(*a))
+    s.refit.baseline.stage = lambda *a, **k: (events.append("diff"), real_stage(*a, **k))
     try:
         s.step()
         assert s.refit.refit().decision.committed
