@@ -78,6 +78,11 @@ def test_rows_only_where_every_row_ends_on_a_block():
     assert amap.diff_placement(0, 4096) == ("a", 0, Rows(512, 512, 512))
     assert amap.diff_placement(4096 + 1024, 2 * 4096) == ("b", 512 + 2048, Rows(512, 512, 512))
     assert amap.diff_placement(2048, 4096 + 512) is None  # two pieces
+    x = np.zeros(1024, np.uint16)
+    with pytest.raises(ValueError, match="row ends on 128-element blocks"):
+        diff_arrays(x, x, ("xor",), rows=Rows(100, 512, 512))  # a row end inside a block
+    with pytest.raises(ValueError, match="need 16-bit arrays"):
+        diff_arrays(x.view(np.uint8), x.view(np.uint8), ("xor",), rows=Rows(512, 512, 512))
 
 
 ROWS, COLS = 48, 512
