@@ -130,14 +130,11 @@ class Rows:
         return self.end >= 0 and self.length > 0 and self.end % kernels.DIFF_BLOCK == 0 \
             and self.length % kernels.DIFF_BLOCK == 0
 
-    def position(self, index, base: int = 0):
-        """base + index plus its row skips (an int, or an int64 array of indices)."""
-        if isinstance(index, np.ndarray):
-            idx = index.astype(np.int64)
-            ends = np.where(idx >= self.end, (idx - self.end) // self.length + 1, 0)
-            return base + idx + ends * self.skip
-        ends = (index - self.end) // self.length + 1 if index >= self.end else 0
-        return base + index + ends * self.skip
+    def position(self, index, base: int = 0) -> np.ndarray:
+        """base + index plus its row skips, as int64 (an array of indices, or one index)."""
+        idx = np.asarray(index, dtype=np.int64)
+        ends = np.where(idx >= self.end, (idx - self.end) // self.length + 1, 0)
+        return base + idx + ends * self.skip
 
     def index(self, positions: np.ndarray, base: int = 0) -> np.ndarray:
         """The indices (int64) whose `position(index, base)` are `positions`: the inverse."""
@@ -195,7 +192,7 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     if a.itemsize == 2:
         # Positions with `base` added by the scan itself; int32 ones (narrow) take two
         # compresses per 32 elements where int64 ones take four (diff16), and half the bytes.
-        top = base + size if rows is None else rows.position(size - 1, base) + 1
+        top = base + size if rows is None else int(rows.position(size - 1, base)) + 1
         pdt = np.int32 if narrow and top < (1 << 31) else np.int64
         kind = (np.dtype(pdt),) + (a.dtype,) * (1 + len(values))
         mode = _MODES[values]
