@@ -171,10 +171,15 @@ def decode_runs(raw: bytes | memoryview, count: int, numel: int) -> np.ndarray:
     return np.arange(count, dtype=_U64) + shift
 
 
-def _signed_view(positions: np.ndarray) -> np.ndarray:
+def signed_view(positions: np.ndarray) -> np.ndarray:
     """uint64 positions as int64 (>= 2**63 turns negative: the kernels reject it); uint32
-    ones as they are (the kernels compute their gaps in int64)."""
-    return positions if positions.dtype == _U32 else positions.view(np.int64)
+    ones as they are (the kernels compute their gaps in int64); narrower ones (a Record
+    may hold any unsigned array) copied to int64."""
+    if positions.dtype == _U32:
+        return positions
+    if positions.dtype == _U64:
+        return positions.view(np.int64)
+    return positions.astype(np.int64)
 
 
 def check_positions(positions: np.ndarray, numel: int) -> str | None:
@@ -184,7 +189,7 @@ def check_positions(positions: np.ndarray, numel: int) -> str | None:
     if positions.size == 0:
         return None
     if (_k.HAVE_NUMBA and positions.dtype in (_U64, _U32) and positions.flags.c_contiguous
-            and _k.strictly_increasing_below(_signed_view(positions), numel - 1) == 0):
+            and _k.strictly_increasing_below(signed_view(positions), numel - 1) == 0):
         return None  # one compiled pass; on a failure the numpy checks below name it
     if np.any(positions[1:] <= positions[:-1]):
         return "positions not strictly increasing"
@@ -507,7 +512,7 @@ def gaps_parts(positions: np.ndarray) -> GapsParts | None:
     without the rANS stream. None when the positions are not strictly increasing (or one
     is >= 2**63): the split checks that as it goes, so a caller need not check the order
     first (the upper bound, the last position, is the caller's)."""
-    p = _signed_view(np.ascontiguousarray(positions))
+    p = signed_view(np.ascontiguousarray(positions))
     n = p.size
     r = _k.rice_shift(p, _SYMBOL_CAP_POSITIONS - 1)  # on a sample; one compiled pass or two
     esc = _SYMBOL_CAP_POSITIONS - 1

@@ -305,6 +305,51 @@ def test_check_rejects_without_writing(checkpoints, bad, match):
     assert_bits(rt, old)
 
 
+@pytest.mark.parametrize("op", [Op.XOR, Op.ADD, Op.OVERWRITE])
+@pytest.mark.parametrize("bad, match", [(lambda p: p.__setitem__(900, p[899]), "strictly increasing"),
+                                        (lambda p: p.__setitem__(-1, 128 * 64), "out of range")],
+                         ids=["repeated", "past-the-end"])
+def test_a_bad_position_deep_in_a_record_changes_nothing(checkpoints, op, bad, match):
+    """The compiled scatter checks xor / add positions as it writes (no pass of their own
+    in the pause): the changes before the bad one are taken back, and the records applied
+    before it in the same call reverted, so the call leaves every bit as it was."""
+    rt = receiver(checkpoints, "llama")
+    old = bits(rt)
+    name = "model.layers.0.mlp.up_proj.weight"  # one plain copy into CPU storage: the scatter's
+    assert rt._scatters(rt._plan({name})[name])
+    dtype, shape = rt.catalog()[name]
+    rng = np.random.default_rng(7)
+    pos = np.sort(rng.choice(128 * 64, 1000, replace=False)).astype(np.uint64)
+    bad(pos)
+    rec = Record(name, dtype, shape, op, pos, rng.integers(1, 1 << 16, 1000, dtype=np.uint16))
+    with pytest.raises(ApplyError, match=match) as err:
+        rt.apply([_one(rt, "model.layers.0.mlp.down_proj.weight", op), rec])
+    assert "record 1" in str(err.value) and not err.value.bits_unknown
+    assert_bits(rt, old)
+
+
+@pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_positions_of_any_unsigned_width_apply(checkpoints, width):
+    """A record may hold its positions in any unsigned width; the scatter sees them as
+    int64 or uint32 (positions.signed_view), never reinterpreted."""
+    rt = receiver(checkpoints, "llama")
+    old = bits(rt)
+    name = "model.layers.0.mlp.up_proj.weight"
+    pos = np.array([0, 7, 200, 255], width)
+    rec = dataclasses.replace(_one(rt, name, Op.ADD, pos=(0,), vals=(1,)), positions=pos,
+                              values=np.array([1, 2, 3, 0xFFFF], np.uint16))
+    log = rt.apply([rec])
+    want = {n: v.copy() for n, v in old.items()}
+    with np.errstate(over="ignore"):
+        want[name][pos.astype(np.int64)] += rec.values
+    assert_bits(rt, want)
+    rt.revert(log)
+    assert_bits(rt, old)
+    with pytest.raises(ApplyError, match="strictly increasing"):
+        rt.apply([dataclasses.replace(rec, positions=pos[::-1].copy())])
+    assert_bits(rt, old)
+
+
 def test_failure_mid_apply_leaves_bits_unchanged(checkpoints, monkeypatch):
     rt = receiver(checkpoints, "llama")
     old = bits(rt)

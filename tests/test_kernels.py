@@ -1179,7 +1179,7 @@ def test_streaming_kernels_prefetch():
     for kernel in scans + [kernels.scatter_apply]:
         fn = numba.njit(kernel.py_func)
         if kernel is kernels.scatter_apply:
-            fn(a.view(np.uint16), np.arange(100, dtype=np.uint64), np.ones(100, np.uint16), 1)
+            fn(a.view(np.uint16), np.arange(100, dtype=np.int64), np.ones(100, np.uint16), 1)
         else:
             fn(a, a.copy(), 0, 0, *buf, kernels.DIFF_ADD, 0, *kernels.NO_ROWS)
         assert any("prefetcht0" in asm for asm in fn.inspect_asm().values()), kernel.__name__
@@ -1202,9 +1202,39 @@ def test_scatter_apply_matches_numpy(width, op, count):
     with np.errstate(over="ignore"):
         want[idx] = [want[idx] ^ vals, want[idx] + vals, vals][op]
     for fn in (kernels.scatter_apply, kernels.scatter_apply.py_func):
+        for p in (pos.view(np.int64), pos.astype(np.uint32)):
+            got = flat.copy()
+            with np.errstate(over="ignore"):  # the plain-Python twin's wrapping add
+                assert fn(got, p, vals, op) == 0
+            assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("op", [0, 1, 2])
+@pytest.mark.parametrize("bad, at, why", [
+    (lambda p: p.__setitem__(500, p[499]), 500, "repeated"),
+    (lambda p: p.__setitem__(0, 5000), 0, "first-past-the-end"),
+    (lambda p: p.__setitem__(699, 5000), 699, "last-past-the-end"),
+    (lambda p: p.__setitem__(300, -1), 300, "negative"),  # a uint64 of 2**63 or more, viewed signed
+    (lambda p: p.__setitem__(slice(200, 202), p[200:202][::-1].copy()), 201, "pair-swapped"),
+], ids=["repeated", "first-past-the-end", "last-past-the-end", "negative", "pair-swapped"])
+def test_scatter_apply_stops_at_a_bad_position(op, bad, at, why):
+    """The scatter checks the positions as it writes: it returns 1 + the index of the first
+    that is not strictly increasing or not in [0, size), having applied the changes before
+    it and none from it on (the runtime takes those back)."""
+    rng = np.random.default_rng(op)
+    flat = rng.integers(0, 1 << 16, 5000, dtype=np.uint16)
+    pos = np.sort(rng.choice(5000, 700, replace=False)).astype(np.int64)
+    bad(pos)
+    vals = rng.integers(1, 1 << 16, 700, dtype=np.uint16)
+    want = flat.copy()
+    idx = pos[:at]
+    with np.errstate(over="ignore"):
+        want[idx] = [want[idx] ^ vals[:at], want[idx] + vals[:at], vals[:at]][op]
+    for fn in (kernels.scatter_apply, kernels.scatter_apply.py_func):
         got = flat.copy()
-        fn(got, pos, vals, op)
-        assert np.array_equal(got, want)
+        with np.errstate(over="ignore"):
+            assert fn(got, pos, vals, op) == at + 1, why
+        assert np.array_equal(got, want), why
 
 
 def test_entropy_bits_skips_zero_counts():

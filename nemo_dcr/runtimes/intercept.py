@@ -56,7 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr import dtypes, kernels
 from nemo_dcr.errors import ApplyError
-from nemo_dcr.positions import check_positions
+from nemo_dcr.positions import check_positions, signed_view
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
 
@@ -206,6 +206,16 @@ def _torch_bits(values: np.ndarray, dtype: dtypes.DType) -> torch.Tensor:
     if not arr.flags.writeable:
         arr = arr.copy()
     return torch.from_numpy(arr.view(_NP_BITS[dtype.itemsize]))
+
+
+class _BadPositions(Exception):
+    """The compiled scatter met a record's bad position; nothing of the record is applied."""
+
+
+def _positions_problem(record: Record) -> str:
+    pos = record.positions
+    bad = "out of range" if pos.size and int(pos.max()) >= record.numel else "not strictly increasing"
+    return f"positions {bad} (numel {record.numel})"
 
 
 def _positions(record: Record, device: torch.device) -> torch.Tensor:
@@ -363,16 +373,20 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
 
     # -- contract -----------------------------------------------------------------
     def check(self, records: Sequence[Record]) -> None:
-        self._prepare(list(records))
+        self._prepare(list(records), applying=False)
 
     def apply(self, records: Sequence[Record]) -> UndoLog:
         records = list(records)
-        plans = self._prepare(records)
-        records = [r for r in records if len(r)]  # an empty record changes nothing
+        plans = self._prepare(records, applying=True)
         log = UndoLog()
         try:
-            for record in records:
-                log.steps.append(self._execute(record, plans[record.name]))
+            for i, record in enumerate(records):
+                if not len(record):  # an empty record changes nothing
+                    continue
+                try:
+                    log.steps.append(self._execute(record, plans[record.name]))
+                except _BadPositions as bad:  # found by the compiled scatter, its own changes taken back
+                    raise ApplyError(f"record {i} ({record.name!r}): {bad}") from None
         except BaseException as exc:
             try:
                 self._undo(log.steps, plans)  # same geometry: no second loader run
@@ -411,7 +425,9 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         if self._batch_layout is None:
             self._refresh()
 
-    def _prepare(self, records: list[Record]) -> dict[str, _Plan]:
+    def _prepare(self, records: list[Record], *, applying: bool) -> dict[str, _Plan]:
+        """Check `records` and plan them; writes nothing. When `applying`, the positions of
+        records that the compiled scatter will apply are left to it (`_scatters`)."""
         self._refresh_outside_batch()  # parameters may have moved or been replaced since the last call
         if torch.__future__.get_swap_module_params_on_conversion():
             raise ApplyError("torch swap_module_params_on_conversion is on: loads would replace storage")
@@ -426,6 +442,11 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                     f"record {i} ({record.name!r}, {Op(record.op).value}): {plan.irregular}; "
                     "a delta cannot be applied exactly through this loader, send an overwrite"
                 )
+            # An overwrite reads its old bits first (through torch), so its positions are
+            # checked here; an xor / add the scatter applies it checks as it writes.
+            if not (applying and plan is not None and Op(record.op) is not Op.OVERWRITE and self._scatters(plan)):
+                if len(record) and check_positions(record.positions, record.numel):  # one compiled pass
+                    raise ApplyError(f"record {i} ({record.name!r}): {_positions_problem(record)}")
         return plans
 
     def _check_static(self, i: int, r: Record, catalog: Catalog) -> None:
@@ -452,9 +473,6 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise ApplyError(f"{where}: values must be a 1-D array of <u{itemsize}")
         if pos.shape != vals.shape:
             raise ApplyError(f"{where}: {pos.shape[0]} positions but {vals.shape[0]} values")
-        if check_positions(pos, r.numel):  # one compiled pass when it can
-            bad = "out of range" if pos[-1] >= r.numel else "not strictly increasing"
-            raise ApplyError(f"{where}: positions {bad} (numel {r.numel})")
 
     def _plan(self, names: set[str]) -> dict[str, _Plan]:
         """Plans for `names`: run the loader once for those not planned yet (one at a time
@@ -638,17 +656,32 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise
         return undo
 
+    @staticmethod
+    def _scatters(plan: _Plan) -> bool:
+        """Whether `_write` applies records of `plan` with the compiled scatter (which checks
+        their positions as it writes): one plain copy into contiguous CPU storage."""
+        return plan.identity and kernels.HAVE_NUMBA and plan.copies[0].dst.device.type == "cpu"
+
     def _write(self, plan: _Plan, record: Record, copy: _Copy, cache: dict) -> None:
         """Apply `record` to the destination elements of one copy, on the bit view."""
         op = Op(record.op)
         bits = dtypes.bits_of(copy.dst.detach())
         device = bits.device
-        if plan.identity and device.type == "cpu" and kernels.HAVE_NUMBA and bits.is_contiguous():
+        if self._scatters(plan):
             # sparse, compiled: one pass over the record on the unsigned view of the storage
             # (the record's own arrays: no torch copies of positions or values)
             flat = bits.view(-1).numpy().view(np.dtype(f"<u{bits.element_size()}"))
-            kernels.scatter_apply(flat, record.positions, np.asarray(record.values, dtype=flat.dtype),
-                                  {Op.XOR: 0, Op.ADD: 1, Op.OVERWRITE: 2}[op])
+            code = {Op.XOR: 0, Op.ADD: 1, Op.OVERWRITE: 2}[op]
+            pos = signed_view(record.positions)
+            bad = kernels.scatter_apply(flat, pos, np.asarray(record.values, dtype=flat.dtype), code)
+            if bad:
+                if op is Op.OVERWRITE:  # its positions were checked before its old bits were read
+                    raise ApplyError(f"{record.name}: {_positions_problem(record)} after the check",
+                                     bits_unknown=True)
+                done = bad - 1  # the changes before the first bad position were applied: take them back
+                back = np.asarray(inverse(record).values[:done], dtype=flat.dtype)
+                kernels.scatter_apply(flat, pos[:done], back, code)
+                raise _BadPositions(_positions_problem(record))
             return
         if ("pos", device) not in cache:
             cache["pos", device] = _positions(record, device)
