@@ -1707,9 +1707,9 @@ def scatter_apply(flat, pos, vals, op):
     or = vals (op 2), checking the positions as it goes: int64 (uint64 ones through
     `positions.signed_view`) or uint32, strictly increasing, in [0, flat.size). Returns 0,
     or 1 + the index of the first position that is not: the changes before it are
-    applied, none from it on (the caller takes them back). The check costs nothing beside
-    the scatter's memory traffic, where a pass of its own read 8 bytes a change more:
-    ~11% of a receiver's pause at 3-5% (BENCHMARKS.md)."""
+    applied, none from it on (the caller takes them back). The check adds nothing to the
+    scatter's memory traffic; a pass of its own read 8 bytes a change more, 11-15% of one
+    receiver's pause at 3-5% on the 1.07B model (BENCHMARKS.md)."""
     n = pos.size
     size = flat.size
     ahead = n - _SCATTER_PREFETCH  # the changes before this one prefetch a later change's line
