@@ -169,6 +169,23 @@ def test_padded_vocab_size():
     assert padded_vocab_size(32000, 8, 128) == 32768
 
 
+def test_transformer_config_builds_without_megatron_warnings():
+    """Every rank builds one; a deprecated default would warn once per rank in every run."""
+    import warnings
+
+    from transformers import Qwen3Config
+
+    from nemo_dcr.runtimes.megatron.model import transformer_config_from_hf
+
+    hf = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    transformer_config_from_hf(hf, tp=1, pp=1)  # imports megatron (its import-time warnings are not ours)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = transformer_config_from_hf(hf, tp=2, pp=1)
+    assert [str(w.message) for w in caught] == []
+    assert config.cuda_graph_scope == []
+
+
 def test_shim_is_idempotent_and_redirects_cuda():
     """In a subprocess: installing the shim must not leak into this pytest process."""
     code = textwrap.dedent(

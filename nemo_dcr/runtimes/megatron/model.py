@@ -198,6 +198,9 @@ def transformer_config_from_hf(
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
         attention_softmax_in_fp32=True,
+        # megatron-core's own default ("full") warns that it is deprecated in every rank;
+        # [] is what it turns "full" into (no CUDA graphs are captured either way).
+        cuda_graph_scope=[],
     )
     fields.update(moe)
     fields.update(overrides)
