@@ -18,7 +18,9 @@ every byte between processes crosses the shaped link.
    relay tree; after one unreported warm-up refit at 0.1% (kernel compilation, loader
    planning), --repeats refits per --rates entry (each a fresh perturbation), each
    verified against the trainer's state (verification timed separately); a rate reports
-   its median refit (with that refit's breakdown) and the range.
+   its median refit (with that refit's breakdown) and the range. Payloads hold at most
+   --payload-elements changes (2**21); with several sizes they take turns within each
+   rate and each (rate, size) reports its own median.
 Lower bound per refit: max(bytes that cross the link / link rate, bytes scanned /
 (memcpy per core x cores)); every receiver's copy crosses the one shaped loopback, so the
 link carries wire bytes x receivers (and the dense reference checkpoint x receivers).
@@ -240,6 +242,7 @@ def inside(args) -> int:
            "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     receivers = [f"rx{i}" for i in range(args.receivers)]
     rates = [float(r) for r in args.rates.split(",")]
+    sizes = args.payload_sizes
     try:
         ckpt = work / "checkpoint"
         log(f"1/5 writing a {args.layers}-layer, hidden-{args.hidden} BF16 checkpoint to {ckpt}")
@@ -272,7 +275,7 @@ def inside(args) -> int:
                str(REPO / "benchmarks" / "e2e_producer.py"), "--checkpoint", str(ckpt),
                "--transport-config", json.dumps(config), "--state-dir", str(work / "state"),
                "--rates", ",".join(str(r) for r in rates for _ in range(args.repeats)), "--results", str(rows_path),
-               "--op", args.op]
+               "--op", args.op, "--payload-elements", ",".join(map(str, sizes))]
         shutil.rmtree(work / "state", ignore_errors=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         for p in procs:
@@ -283,7 +286,8 @@ def inside(args) -> int:
         if rc != 0:
             raise RuntimeError(f"producers exited {rc}; receiver logs in {work}")
         rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
-        rows = [_median_refit([r for r in rows if not r.get("warmup") and r["rate"] == rate]) for rate in rates]
+        rows = [_median_refit([r for r in rows if not r.get("warmup") and r["rate"] == rate
+                               and r["payload_elements"] == size]) for rate in rates for size in sizes]
         log("5/5 results")
         full_refit_s = dense_s + load_s
         out_rows = []
@@ -291,7 +295,8 @@ def inside(args) -> int:
             link_bytes = r["wire_bytes"] * len(receivers)
             bound = max(link_bytes * 8 / link_bps, dense_bytes / (mem * 1e9 * cores))
             row = {
-                "rate": r["rate"], "bit_exact": r["bit_exact"], "refit_s": r["refit_s"], "wire_bytes": r["wire_bytes"],
+                "rate": r["rate"], "payload_elements": r["payload_elements"], "bit_exact": r["bit_exact"],
+                "refit_s": r["refit_s"], "wire_bytes": r["wire_bytes"], "payloads": r["payloads"],
                 "changed_elements": r["changed_elements"], "lower_bound_s": bound,
                 "refit_over_bound": r["refit_s"] / bound, "speedup_vs_dense_transfer": dense_s / r["refit_s"],
                 "pause_s": r["pause_s"], "receiver_stage_s": r["receiver_stage_s"],
@@ -314,14 +319,16 @@ def inside(args) -> int:
             }
             out_rows.append(row)
             each = sorted(round(x, 2) for x in r["refits_s"])
-            log(f"    {r['rate']:.0%}: refit {r['refit_s']:.2f} s (median of {each}) vs dense {dense_s:.1f} s -> "
+            which = f", payloads of up to {r['payload_elements']:,} changes" if len(sizes) > 1 else ""
+            log(f"    {r['rate']:.0%}{which}: refit {r['refit_s']:.2f} s (median of {each}) vs dense {dense_s:.1f} s"
+                f" -> "
                 f"{dense_s / r['refit_s']:.1f}x; lower bound {bound:.2f} s ({r['refit_s'] / bound:.2f}x of it); "
                 f"pause {r['pause_s']:.2f} s ({row['pause_over_full_refit']:.3f} of a full refit, "
                 f"{row['pause_over_dense_load']:.2f}x a dense load alone, {row['pause_over_dense_loads_at_once']:.2f}x "
                 f"{len(receivers)} at once); receivers' stage + apply {row['receiver_total_s']:.2f} s; "
                 f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
         result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
-                  "op": args.op,
+                  "op": args.op, "payload_elements": sizes,
                   "params": params, "dense_bytes": dense_bytes, "producers": args.producers,
                   "receivers": len(receivers), "link_gbps_measured": link_bps / 1e9, "memcpy_gbs_per_core": mem,
                   "cores": cores, "dense_transfer_s": dense_s, "dense_load_s": load_s,
@@ -353,7 +360,9 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = ["full checkpoint"] + [f"delta {r['rate']:.0%}" for r in rows]
+    several = len(result["payload_elements"]) > 1
+    labels = ["full checkpoint"] + [f"delta {r['rate']:.0%}" + (f"\n{r['payload_elements']:,}" if several else "")
+                                    for r in rows]
     values = [result["dense_transfer_s"]] + [r["refit_s"] for r in rows]
     bounds = [None] + [r["lower_bound_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -381,6 +390,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="refits per rate; the median is reported")
     ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"],
                     help="the producers' op (TrainerRefit's default: auto, xor or add per tensor)")
+    ap.add_argument("--payload-elements", default=str(1 << 21),
+                    help="the producers' max_payload_elements (changes a payload holds at most); several, "
+                         "comma-separated, take turns within each rate and are reported side by side")
     ap.add_argument("--mbit", type=int, default=1000)
     ap.add_argument("--link-probe-mb", type=int, default=200)
     ap.add_argument("--no-shape", action="store_true", help="run on the plain loopback (no namespace, no root)")
@@ -393,10 +405,18 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-load-worker", help=argparse.SUPPRESS)  # a process of dense_loads_at_once
     ap.add_argument("--dense-load-go", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.payload_elements.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        ap.error("--payload-elements must be distinct positive integers, comma-separated; "
+                 f"got {args.payload_elements!r}")
     if args.smoke:
-        args.hidden, args.layers, args.vocab, args.link_probe_mb, args.repeats = 128, 2, 512, 8, 1
-    if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
+        args.hidden, args.layers, args.vocab, args.link_probe_mb, args.repeats = 128, 2, 512, 8, len(sizes)
+    if args.repeats < len(sizes):
+        ap.error(f"--repeats must be at least 1 per payload size ({len(sizes)}), got {args.repeats}")
+    args.payload_sizes = sizes
     if args.dense_load_worker:
         print(f"{dense_load_s(Path(args.dense_load_worker), Path(args.dense_load_go)):.6f}", flush=True)
         return 0

@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--rates", required=True, help="comma-separated change rates, one refit each")
     ap.add_argument("--results", required=True)
     ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"])
+    ap.add_argument("--payload-elements", default=str(1 << 21),
+                    help="max_payload_elements; several (comma-separated) take turns within each rate")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -62,6 +64,7 @@ def main() -> None:
     from nemo_dcr.trainer import TrainerRefit
     from nemo_dcr.verify import state_digests
 
+    sizes = [int(x) for x in args.payload_elements.split(",")]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -71,14 +74,21 @@ def main() -> None:
     transport = registry.transport("relay", config, receivers=[n["id"] for n in config["nodes"]])
     refit = TrainerRefit(registry.converter("identity", model.config), read_specs(args.checkpoint),
                          torch_owned_ranges(model, rank, world), ParallelLayout(dp_size=world, dp_rank=rank),
-                         transport, state_dir=args.state_dir, op=args.op, max_payload_elements=1 << 21,
+                         transport, state_dir=args.state_dir, op=args.op, max_payload_elements=sizes[0],
                          timeout_s=600)
     if rank == 0:
         print(f"[producer] {world} producers ready in {time.perf_counter() - t:.1f} s", flush=True)
     # A first, small refit warms up what happens once per process (compiling the kernels,
     # planning each tensor's loader geometry on the receivers); it is not reported.
     rates = [0.001] + [float(r) for r in args.rates.split(",")]
+    turns: dict[float, int] = {}  # per rate, its refits so far
+    order = list(dict.fromkeys(rates[1:]))
     for i, rate in enumerate(rates):
+        # Several payload sizes take turns within a rate, each rate starting one further on:
+        # its first refit, the slowest (first touches of memory), falls to a different size.
+        size = sizes[(turns.get(rate, 0) + order.index(rate)) % len(sizes)] if i else sizes[0]
+        turns[rate] = turns.get(rate, 0) + (i > 0)
+        refit.producer.max_payload_elements = size
         changed = perturb(model, rate, seed=1000 + i)
         dist.barrier()
         result = refit.refit()
@@ -89,8 +99,9 @@ def main() -> None:
         if rank == 0:
             m = result.metrics()
             exact = all(not bad for bad in mismatches.values())
-            row = {"rate": rate, "warmup": i == 0, "changed_elements": changed, "bit_exact": exact,
-                   "verify_s": verify_s, "mismatches": {rx: bad[:3] for rx, bad in mismatches.items()}, **m}
+            row = {"rate": rate, "warmup": i == 0, "payload_elements": size, "changed_elements": changed,
+                   "bit_exact": exact, "verify_s": verify_s,
+                   "mismatches": {rx: bad[:3] for rx, bad in mismatches.items()}, **m}
             with open(args.results, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"[producer] {rate:.1%}: refit {m['refit_s']:.2f} s, wire {m['wire_bytes'] / 1e6:.1f} MB, "

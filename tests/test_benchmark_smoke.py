@@ -120,6 +120,27 @@ def test_e2e_link_benchmark_smoke(tmp_path):
         assert row["apply_model_gbs"] == res["dense_bytes"] / row["pause_s"] / 1e9 > 0
 
 
+def test_e2e_link_benchmark_compares_payload_sizes(tmp_path):
+    """Several --payload-elements take turns: one median per (rate, size), each size's refits
+    bit-exact, and a smaller size cuts a rate's changes into more payloads."""
+    res = _run(["benchmarks/e2e_link.py", "--no-shape", "--payload-elements", "1024,65536"], tmp_path, "e2e_link")
+    assert res["payload_elements"] == [1024, 65536]
+    assert [(r["rate"], r["payload_elements"]) for r in res["rows"]] == [
+        (0.03, 1024), (0.03, 65536), (0.05, 1024), (0.05, 65536)]
+    for row in res["rows"]:
+        assert row["all_bit_exact"] and len(row["refits_s"]) == 1
+    for small, large in (res["rows"][:2], res["rows"][2:]):
+        assert small["payloads"] > large["payloads"]
+
+
+@pytest.mark.parametrize("value", ["0", "12,12", "many"])
+def test_e2e_link_benchmark_refuses_bad_payload_sizes(value):
+    proc = subprocess.run([sys.executable, "benchmarks/e2e_link.py", "--no-shape", "--smoke",
+                           "--payload-elements", value], cwd=REPO, env=worker_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--payload-elements must be distinct positive integers" in proc.stderr
+
+
 def test_reliability_costs_benchmark_smoke():
     """Without --out a smoke run writes to the temp dir, never over the committed results."""
     committed = REPO / "benchmarks" / "results" / "reliability_costs.json"
