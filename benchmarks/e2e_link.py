@@ -320,9 +320,9 @@ def inside(args) -> int:
             out_rows.append(row)
             each = sorted(round(x, 2) for x in r["refits_s"])
             which = f", payloads of up to {r['payload_elements']:,} changes" if len(sizes) > 1 else ""
-            log(f"    {r['rate']:.0%}{which}: refit {r['refit_s']:.2f} s (median of {each}) vs dense {dense_s:.1f} s"
-                f" -> "
-                f"{dense_s / r['refit_s']:.1f}x; lower bound {bound:.2f} s ({r['refit_s'] / bound:.2f}x of it); "
+            log(f"    {r['rate']:.0%}{which}: refit {r['refit_s']:.2f} s (median of {each}) vs dense "
+                f"{dense_s:.1f} s -> {dense_s / r['refit_s']:.1f}x; lower bound {bound:.2f} s "
+                f"({r['refit_s'] / bound:.2f}x of it); "
                 f"pause {r['pause_s']:.2f} s ({row['pause_over_full_refit']:.3f} of a full refit, "
                 f"{row['pause_over_dense_load']:.2f}x a dense load alone, {row['pause_over_dense_loads_at_once']:.2f}x "
                 f"{len(receivers)} at once); receivers' stage + apply {row['receiver_total_s']:.2f} s; "

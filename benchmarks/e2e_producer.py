@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rates", required=True, help="comma-separated change rates, one refit each")
     ap.add_argument("--results", required=True)
     ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"])
-    ap.add_argument("--payload-elements", default=str(1 << 21),
+    ap.add_argument("--payload-elements", required=True,
                     help="max_payload_elements; several (comma-separated) take turns within each rate")
     args = ap.parse_args()
 
@@ -81,13 +81,12 @@ def main() -> None:
     # A first, small refit warms up what happens once per process (compiling the kernels,
     # planning each tensor's loader geometry on the receivers); it is not reported.
     rates = [0.001] + [float(r) for r in args.rates.split(",")]
-    turns: dict[float, int] = {}  # per rate, its refits so far
-    order = list(dict.fromkeys(rates[1:]))
-    for i, rate in enumerate(rates):
-        # Several payload sizes take turns within a rate, each rate starting one further on:
-        # its first refit, the slowest (first touches of memory), falls to a different size.
-        size = sizes[(turns.get(rate, 0) + order.index(rate)) % len(sizes)] if i else sizes[0]
-        turns[rate] = turns.get(rate, 0) + (i > 0)
+    # Several payload sizes take turns within a rate, the k-th rate starting k sizes on: its
+    # first refit, the slowest (first touches of memory), falls to a different size.
+    firsts = {rate: k for k, rate in enumerate(dict.fromkeys(rates[1:]))}
+    schedule = [sizes[0]] + [sizes[(firsts[r] + rates[1:i + 1].count(r)) % len(sizes)]
+                             for i, r in enumerate(rates[1:])]
+    for i, (rate, size) in enumerate(zip(rates, schedule)):
         refit.producer.max_payload_elements = size
         changed = perturb(model, rate, seed=1000 + i)
         dist.barrier()
