@@ -132,6 +132,42 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
             np.testing.assert_array_equal(got, want[kind], err_msg=f"{kind}, n={n}")
 
 
+@pytest.mark.parametrize("mode", [kernels.DIFF_OLD, kernels.DIFF_XOR, kernels.DIFF_ADD, kernels.DIFF_NONE])
+def test_bitscan_walks_any_count_of_changes_in_a_word(mode):
+    """`diff16_bitscan` walks a 64-element word's changes two a step: every count from 0 to
+    64 in the first word of a block beside 0, 1, 2 or 3 in the second, at random places,
+    gives numpy's positions, new bits and values, no slot is written more than two past
+    the last change, and the compiled scan fills every slot as the plain-Python one does."""
+    rng = np.random.default_rng(mode)
+    blocks = [(first, second) for first in range(65) for second in range(4)]
+    old = rng.integers(0, 1 << 16, 128 * len(blocks), dtype=np.uint16)
+    new = old.copy()
+    for k, (first, second) in enumerate(blocks):
+        for word, count in ((0, first), (1, second)):
+            at = 128 * k + 64 * word + rng.choice(64, count, replace=False)
+            new[at] += rng.integers(1, 1 << 16, count, dtype=np.uint16)  # never 0: each one changes
+    want = np.flatnonzero(new != old)
+    with np.errstate(over="ignore"):
+        expected = {kernels.DIFF_OLD: old[want], kernels.DIFF_XOR: new[want] ^ old[want],
+                    kernels.DIFF_ADD: new[want] - old[want]}.get(mode)
+    room = want.size + kernels.DIFF_BLOCK + 8
+    filled = []
+    for scan in [kernels.diff16_bitscan.py_func] + ([kernels.diff16_bitscan] if kernels.HAVE_NUMBA else []):
+        bufs = [np.full(room, 7777, np.int64), np.full(room, 7777, np.uint16),
+                np.full(room if mode != kernels.DIFF_NONE else 0, 7777, np.uint16)]
+        with np.errstate(over="ignore"):  # the plain-Python twin's wrapping add
+            n, i = scan(new, old, 0, 5, *bufs, mode, 0, *kernels.NO_ROWS)
+        assert (n, i) == (want.size, new.size)
+        np.testing.assert_array_equal(bufs[0][:n], want + 5)
+        np.testing.assert_array_equal(bufs[1][:n], new[want])
+        if expected is not None:
+            np.testing.assert_array_equal(bufs[2][:n], expected)
+        assert all((x[n + 2:] == 7777).all() for x in bufs)
+        filled.append(bufs)
+    for x, y in zip(*filled) if len(filled) == 2 else ():
+        np.testing.assert_array_equal(x, y)
+
+
 @needs_numba
 @pytest.mark.parametrize("vector", [True, False])
 @pytest.mark.parametrize("values", [(), ("old",), ("xor",), ("add",)])
