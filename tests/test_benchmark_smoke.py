@@ -108,6 +108,8 @@ def test_e2e_link_benchmark_smoke(tmp_path):
     assert res["producers"] == 2 and res["receivers"] == 2 and res["dense_transfer_s"] > 0
     assert res["dense_load_s"] > 0 and res["dense_loads_at_once_s"] > 0  # one receiver's load; two side by side
     assert [r["rate"] for r in res["rows"]] == [0.03, 0.05]
+    # memcpy read before and after the refits; the bound takes the faster
+    assert len(res["memcpy_gbs_readings"]) == 2 and res["memcpy_gbs_per_core"] == max(res["memcpy_gbs_readings"]) > 0
     for row in res["rows"]:
         assert row["all_bit_exact"] and row["changed_elements"] > 0 and row["wire_bytes"] > 0
         assert row["refit_s"] > 0 and row["lower_bound_s"] > 0 and 0 < row["pause_s"] <= row["refit_s"]
