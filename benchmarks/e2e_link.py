@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.memcpy import memcpy_gbs, touched_pair  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_dims, qwen3_shapes  # noqa: E402
 from benchmarks.shaped_link import measure_link, run_shaped  # noqa: E402
 from tests.support.launch import free_port  # noqa: E402
@@ -106,13 +107,9 @@ def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int
     return params
 
 
-def memcpy_gbs() -> float:
-    import numpy as np
-
-    a = np.ones(64 << 20, np.uint32)  # 256 MiB
-    b = np.empty_like(a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(5))
-    return a.nbytes / best / 1e9
+def memcpy_one_core_gbs() -> float:
+    """np.copyto of 256 MiB between page-aligned buffers, best of 5 (benchmarks/memcpy.py)."""
+    return memcpy_gbs(*touched_pair(128 << 20), 5)[0]
 
 
 def _timed(fn) -> float:
@@ -252,7 +249,7 @@ def inside(args) -> int:
         dense_bytes = params * 2
         log(f"    {params / 1e9:.3f}B params, {dense_bytes / 1e9:.2f} GB")
         link_bps = measure_link(args.link_probe_mb << 20)
-        mem_readings = [memcpy_gbs()]
+        mem_readings = [memcpy_one_core_gbs()]
         cores = os.cpu_count() or 1
         log(f"2/5 link {link_bps / 1e9:.3f} Gbit/s (one TCP stream); memcpy {mem_readings[0]:.2f} GB/s per core, "
             f"{cores} cores")
@@ -291,7 +288,7 @@ def inside(args) -> int:
         rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
         rows = [_median_refit([r for r in rows if not r.get("warmup") and r["rate"] == rate
                                and r["payload_elements"] == size]) for rate in rates for size in sizes]
-        mem_readings.append(memcpy_gbs())  # the processes above have exited: the copy has the machine
+        mem_readings.append(memcpy_one_core_gbs())  # the processes above have exited: the copy has the machine
         mem = max(mem_readings)
         log(f"5/5 results (memcpy {mem_readings[1]:.2f} GB/s per core now, {mem_readings[0]:.2f} at the start: "
             f"the bound takes {mem:.2f})")

@@ -18,11 +18,12 @@ state (`TensorStoreRuntime`) decodes and applies them, every bit of it is compar
 trainer's weights, and the apply is undone: `verify_s` is that check's time. Throughput is
 bytes of the BF16 weights scanned per second of producer time (diff + place + encode), best
 of --repeats; memcpy is np.copyto, best of 3 before each refit (the best of all of them
-is reported), measured in the same process, of the same bytes and of a buffer 4x as large:
-the faster of the two is the reference. (glibc copies with plain stores below a threshold
-it derives from the cache size, with non-temporal ones above it: on a host reporting a
-480 MiB L3 the 128 MiB copy read 6.9-7.0 GB/s and a 256 MiB one 11.9-12.3, so the same
-bytes alone could be the slower copy.) The same ratio on CPU time (time.thread_time, for
+is reported), measured in the same process, of the same bytes and of a buffer 4x as large
+(page-aligned buffers: benchmarks/memcpy.py): the faster of the two is the reference.
+(glibc copies with plain stores below a threshold it derives from the cache size, with
+non-temporal ones above it: on a host reporting a 480 MiB L3 the 128 MiB copy read
+6.9-7.0 GB/s and a 256 MiB one 11.9-12.3, so the same bytes alone could be the slower
+copy.) The same ratio on CPU time (time.thread_time, for
 the refit and for memcpy) is reported beside: it is less sensitive to other jobs on a
 shared machine.
 
@@ -71,6 +72,7 @@ sys.path.insert(0, str(REPO))
 from nemo_dcr import codec, kernels  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
+from benchmarks.memcpy import memcpy_gbs, touched_pair  # noqa: E402
 from benchmarks.qwen3_shapes import qwen3_shapes  # noqa: E402
 from nemo_dcr.baseline import Baseline  # noqa: E402
 from nemo_dcr.capture import even_split  # noqa: E402
@@ -188,25 +190,6 @@ def device_copy_gbs(n: int, device: str, repeats: int) -> float:
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return src.numel() * 2 / best / 1e9
-
-
-def memcpy_gbs(src: np.ndarray, dst: np.ndarray, repeats: int) -> tuple[float, float]:
-    """(wall-clock GB/s, CPU-time GB/s) of np.copyto, best of `repeats` each."""
-    best = best_cpu = float("inf")
-    for _ in range(repeats):
-        t, c = time.perf_counter(), time.thread_time()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-        best_cpu = min(best_cpu, time.thread_time() - c)
-    return src.nbytes / best / 1e9, src.nbytes / max(best_cpu, 1e-9) / 1e9
-
-
-def touched_pair(elements: int) -> tuple[np.ndarray, np.ndarray]:
-    """A source and destination of `elements` int16, every page touched before timing."""
-    src, dst = np.empty(elements, np.int16), np.empty(elements, np.int16)
-    src[:] = 1
-    dst[:] = 0
-    return src, dst
 
 
 def main() -> None:
