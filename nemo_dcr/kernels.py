@@ -320,8 +320,8 @@ def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0, row_end, row_len, row_
     standing in for the missing one), so the walk of a word with one or two changes
     exits without looking at the mask again, and one with three or four after one more
     step. Measured on a Zen 3 core: walking one change a step (one exit per word, taken
-    after a varying count) made the diff 9-15% slower at 3-5% (whole refits, 64M-160M
-    elements) and three or four a step no faster than two; a walk per 32-lane mask took
+    after a varying count), the diff took 1.07-1.18x as long at 3-5% (whole refits, 64M-160M
+    elements), three or four a step no less than two; a walk per 32-lane mask took
     1.2-1.5x as long, the word scan `diff_words` 1.8-2.3x, and writing a fixed number of
     slots per mask more still. Prefetches as `diff16` does. Like `diff16`, it may write
     slots past the last change (up to two; the buffers' room covers them)."""
