@@ -8,9 +8,8 @@ is shaped with `tc tbf` to --mbit (1000: 1 Gbit/s); everything below runs inside
 every byte between processes crosses the shaped link.
 1. A random-init Qwen3-style BF16 checkpoint of --hidden/--layers (default 1.07B params,
    2.15 GB) is written as safetensors.
-2. The link is measured (one TCP stream), and memcpy on one core (again after the refits;
-   the faster reading is the bound's: on one host the first read 3.7-3.8 GB/s in runs
-   where the same copy alone read 13-16).
+2. The link is measured (one TCP stream), and memcpy on one core between page-aligned
+   buffers (benchmarks/memcpy.py), again after the refits: the bound takes the faster.
 3. Reference, full checkpoint: one producer sends the checkpoint's bytes (4 MiB payloads)
    over the relay tree to --receivers stage-only receivers; timed until every receiver
    staged everything (transport only, as the paper's reference). The dense in-memory load
