@@ -23,9 +23,8 @@ is reported), measured in the same process, of the same bytes and of a buffer 4x
 (glibc copies with plain stores below a threshold it derives from the cache size, with
 non-temporal ones above it: on a host reporting a 480 MiB L3 the 128 MiB copy read
 6.9-7.0 GB/s and a 256 MiB one 11.9-12.3, so the same bytes alone could be the slower
-copy.) The same ratio on CPU time (time.thread_time, for
-the refit and for memcpy) is reported beside: it is less sensitive to other jobs on a
-shared machine.
+copy.) The same ratio on CPU time (time.thread_time, for the refit and for memcpy) is
+reported beside: it is less sensitive to other jobs on a shared machine.
 
 With --layout model the producer owns the first half of every parameter of a 4-layer
 Qwen3-style model (hidden 2048, vocabulary 32000: 320M parameters, so 160M owned elements,
