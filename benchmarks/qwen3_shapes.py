@@ -1,5 +1,6 @@
-"""Tensor shapes of the benchmarks' stand-in model: a Qwen3-style decoder of a given size
-(used by e2e_link.py for its checkpoint and by trainer_speed.py --layout model)."""
+"""Tensor shapes of the benchmarks' stand-in models: a Qwen3-style decoder of a given size
+(used by e2e_link.py for its checkpoint and by trainer_speed.py --layout model), and its
+mixture-of-experts variant (Qwen3-MoE names; trainer_speed.py --layout moe)."""
 
 from __future__ import annotations
 
@@ -26,4 +27,21 @@ def qwen3_shapes(hidden: int, layers: int, vocab: int) -> dict[str, tuple[int, .
                        p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
                        p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                        p + "mlp.down_proj.weight": (d, f)})
+    return shapes
+
+
+def qwen3_moe_shapes(hidden: int, layers: int, vocab: int, experts: int, expert_ffn: int) -> dict[str, tuple[int, ...]]:
+    """`qwen3_shapes` with each layer's MLP replaced by a router and `experts` SwiGLU experts
+    of intermediate size `expert_ffn`, under Hugging Face Qwen3-MoE names (one tensor per
+    expert and projection: a refit codes a record for each of them)."""
+    shapes = qwen3_shapes(hidden, layers, vocab)
+    for i in range(layers):
+        p = f"model.layers.{i}.mlp."
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            del shapes[f"{p}{proj}.weight"]
+        shapes[p + "gate.weight"] = (experts, hidden)
+        for e in range(experts):
+            shapes.update({f"{p}experts.{e}.gate_proj.weight": (expert_ffn, hidden),
+                           f"{p}experts.{e}.up_proj.weight": (expert_ffn, hidden),
+                           f"{p}experts.{e}.down_proj.weight": (hidden, expert_ffn)})
     return shapes

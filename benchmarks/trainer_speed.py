@@ -5,6 +5,7 @@ real producer (`nemo_dcr.sender.Producer`), beside memcpy of the same bytes.
     python benchmarks/trainer_speed.py --smoke   # seconds (CI smoke; writes to the temp dir)
     python benchmarks/trainer_speed.py --device cuda   # the weights on a GPU (results/trainer_speed_cuda.*)
     python benchmarks/trainer_speed.py --layout model  # ~40 s; a whole model's tensors (results/trainer_speed_model.*)
+    python benchmarks/trainer_speed.py --layout moe    # ~2 min; a mixture-of-experts model (results/trainer_speed_moe.*)
     python benchmarks/trainer_speed.py --encode-threads 2  # payloads encoded on 2 more threads (..._threads2.*)
     python benchmarks/trainer_speed.py --device cuda --wire-version 6  # placed and coded on the GPU (..._cuda_v6.*)
 
@@ -31,6 +32,12 @@ Qwen3-style model (hidden 2048, vocabulary 32000: 320M parameters, so 160M owned
 320 MB; --smoke: hidden 256, 1 layer), 51 tensors of every size from 128 to 65M elements,
 placed as is. A real refit codes one record per tensor it touches, so this measures what
 each record costs beside each change (the default layout codes 4 large records).
+
+With --layout moe the model is a Qwen3-MoE-style one (benchmarks/qwen3_shapes.py: hidden
+2048, 2 layers of 32 experts with intermediate size 768, vocabulary 32000: 458M parameters,
+229M owned elements, 458 MB; --smoke: hidden 256, 1 layer of 4 experts), the same half of
+every tensor owned: 213 tensors, 192 of them experts of 1.57M elements, as a mixture-of-experts
+model's refit codes a record per expert and projection (~24,000 changes each at 3%).
 
 With --encode-threads N the producer encodes full payloads on N more threads while it diffs
 on (`Producer(encode_threads=N)`); the rate is then bytes over the refit's wall time, the
@@ -72,7 +79,7 @@ from nemo_dcr import codec, kernels  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.memcpy import memcpy_gbs, touched_pair  # noqa: E402
-from benchmarks.qwen3_shapes import qwen3_shapes  # noqa: E402
+from benchmarks.qwen3_shapes import qwen3_moe_shapes, qwen3_shapes  # noqa: E402
 from nemo_dcr.baseline import Baseline  # noqa: E402
 from nemo_dcr.capture import even_split  # noqa: E402
 from nemo_dcr.layout import LocalParam, OwnedRange  # noqa: E402
@@ -127,14 +134,14 @@ def setup(n_params: int, rows: int, cols: int, device: str = "cpu"):
     return params, owned, maps, specs, canonical
 
 
-def setup_model(hidden: int, layers: int, vocab: int, device: str = "cpu"):
-    """A Qwen3-style model (benchmarks/qwen3_shapes.py) of which this producer owns the first
-    half of every parameter (data-parallel rank 0 of 2, `capture.torch_owned_ranges`),
+def setup_model(shapes: dict[str, tuple[int, ...]], device: str = "cpu"):
+    """A model of these tensors (benchmarks/qwen3_shapes.py) of which this producer owns the
+    first half of every parameter (data-parallel rank 0 of 2, `capture.torch_owned_ranges`),
     placed as is: many records of every size, as a real model's refit has. Returns the
     owned views as the tensors to perturb, and the rest as `setup` does."""
     torch.manual_seed(0)
     owned, maps, specs, full = [], {}, {}, {}
-    for name, shape in qwen3_shapes(hidden, layers, vocab).items():
+    for name, shape in shapes.items():
         t = (torch.randn(shape) * 0.02).to(torch.bfloat16).to(device)
         rows, cols = shape if len(shape) == 2 else (1, shape[0])
         start, stop = even_split(t.numel(), 0, 2)
@@ -196,11 +203,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="where the weights live: cpu (default) or cuda")
-    ap.add_argument("--layout", choices=("weights", "model"), default="weights",
-                    help="4 large row-parallel weights (default), or a whole Qwen3-style model's tensors")
+    ap.add_argument("--layout", choices=("weights", "model", "moe"), default="weights",
+                    help="4 large row-parallel weights (default), a whole Qwen3-style model's tensors, or a "
+                         "Qwen3-MoE-style model's (a record per expert)")
     ap.add_argument("--encode-threads", type=int, default=0,
                     help="Producer(encode_threads=N): N more threads encode payloads while one diffs; the rate "
-                         "is then the refit's wall time (results: trainer_speed[_model]_threadsN.*)")
+                         "is then the refit's wall time (results: trainer_speed[_model|_moe]_threadsN.*)")
     ap.add_argument("--wire-version", type=int, default=codec.FORMAT_VERSION,
                     help="Producer(wire_version=...): 6 codes the changes of GPU weights on the GPU")
     ap.add_argument("--device-coding", choices=("gpu", "always", "never"), default="gpu",
@@ -218,7 +226,7 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         sys.exit(f"trainer_speed: --device {args.device} needs a CUDA GPU, and torch sees none")
-    name = ("trainer_speed" + ("_model" if args.layout == "model" else "") + ("_cuda" if cuda else "")
+    name = ("trainer_speed" + ("" if args.layout == "weights" else f"_{args.layout}") + ("_cuda" if cuda else "")
             + (f"_threads{threads}" if threads else "")
             + (f"_v{args.wire_version}" if args.wire_version != codec.FORMAT_VERSION else "")
             + (f"_coding_{args.device_coding}" if args.device_coding != "gpu" else ""))
@@ -230,8 +238,11 @@ def main() -> None:
     ops = [Op.XOR, AUTO]
     repeats = 2 if args.smoke else args.repeats
     if args.layout == "model":
-        params, owned, maps, specs, canonical = setup_model(*((256, 1, 1000) if args.smoke else (2048, 4, 32000)),
-                                                            args.device)
+        shapes = qwen3_shapes(*((256, 1, 1000) if args.smoke else (2048, 4, 32000)))
+        params, owned, maps, specs, canonical = setup_model(shapes, args.device)
+    elif args.layout == "moe":
+        shapes = qwen3_moe_shapes(*((256, 1, 1000, 4, 128) if args.smoke else (2048, 2, 32000, 32, 768)))
+        params, owned, maps, specs, canonical = setup_model(shapes, args.device)
     else:
         params, owned, maps, specs, canonical = setup(4, rows, cols, args.device)
     total = sum(t.numel() for t in params)

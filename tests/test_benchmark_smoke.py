@@ -49,7 +49,8 @@ def test_codec_benchmark_smoke(tmp_path):
     assert "crossover_rate" in res["sweep"]
 
 
-@pytest.mark.parametrize("layout,threads,coding", [("weights", 0, []), ("model", 0, []), ("weights", 2, []),
+@pytest.mark.parametrize("layout,threads,coding", [("weights", 0, []), ("model", 0, []), ("moe", 0, []),
+                                                   ("weights", 2, []),
                                                    ("model", 0, ["--wire-version", "6", "--device-coding", "always"])])
 def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads, coding):
     """The last case: the device-coding path (format v6) on CPU weights, as a GPU runs it."""
@@ -57,7 +58,8 @@ def test_trainer_speed_benchmark_smoke(tmp_path, layout, threads, coding):
                tmp_path, "trainer_speed")
     assert res["benchmark"] == "trainer_speed" and res["threads"] == 1 + threads and res["layout"] == layout
     assert res["wire_version"] == (6 if coding else codec.FORMAT_VERSION)
-    assert res["tensors"] == (4 if layout == "weights" else 14)
+    # the model: 3 + 11 tensors a layer; the mixture of experts: its MLP a router and 3 x 4 experts
+    assert res["tensors"] == {"weights": 4, "model": 14, "moe": 24}[layout]
     assert {"cpu", "cpu_family", "cpu_model", "l3_cache", "isa", "torch", "numpy"} <= res["machine"].keys()
     for row in res["rows"]:
         assert row["memcpy_gbs"] > 0 and row["total_gbs"] > 0 and row["changed"] > 0
