@@ -684,8 +684,8 @@ def test_histogram_of_few_values_counts_by_compares_and_the_rest_by_the_table(co
     """16-bit values whose first 4096 hold at most 16 distinct ones are counted by 32-lane
     compares (kernels._count_few): values the sample never showed, a switch to many values
     after the sample (which stops the compares), exactly 16 and 17 distinct values in the
-    sample, every tail modulo 32, a strided array; always np.unique's answer, the tables
-    zeroed again."""
+    sample, every tail modulo 32, a strided array, arrays shorter than the sample (from
+    _FEW_MIN values up); always np.unique's answer, the tables zeroed again."""
     hist = kernels.histogram_lines if compiled else kernels.histogram_lines.py_func
     rng = np.random.default_rng(7)
     x = rng.integers(0, 1 << 15, 40_000).astype(np.uint16)
@@ -697,14 +697,48 @@ def test_histogram_of_few_values_counts_by_compares_and_the_rest_by_the_table(co
     seventeen = rng.choice(np.arange(17, dtype=np.uint16) * 3, 20_000)
     cases = [ulp, rare, switch, sixteen, seventeen, rng.choice(np.array([1, 0xFFFF], np.uint16), 16_417),
              np.full(16_384 + 31, 0xFFFF, np.uint16), ulp[::2]]
+    # short arrays: the whole array (rounded down to 32) is the sample; below _FEW_MIN, the table
+    short = [ulp[:1023], ulp[:1024], ulp[:3001], np.concatenate([ulp[:2000], [12345], ulp[:7]]).astype(np.uint16),
+             seventeen[:1500]]
     table, lines = np.zeros(4 << 16, np.uint32), np.zeros(1 << 14, np.uint8)
-    for vals in cases if compiled else cases[:3]:
+    for vals in (cases if compiled else cases[:3]) + short:
         distinct, found = np.empty(1 << 16, np.uint16), np.empty(1 << 16, np.int64)
         k = hist(vals, table, lines, distinct, found)
         expect, expect_counts = np.unique(vals, return_counts=True)
         np.testing.assert_array_equal(distinct[:k], expect)
         np.testing.assert_array_equal(found[:k], expect_counts)
         assert not table.any() and not lines.any()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_distinct_sample_values_in_order_of_first_appearance(compiled):
+    """kernels._distinct_upto, 32 values a step: the sample's distinct values in the order
+    they first appear (several new ones in one step, equal lanes taken once), exactly
+    few.size of them still fit, one more is -1; only vals[:m] is looked at."""
+    distinct_upto = kernels._distinct_upto if compiled else kernels._distinct_upto.py_func
+    rng = np.random.default_rng(11)
+
+    def first_seen(x):
+        _, first = np.unique(x, return_index=True)
+        return x[np.sort(first)].astype(np.int64)
+
+    cases = [rng.choice(np.array([1, 0x7F, 0x8001, 0xFFFF, 3], np.uint16), 4096, p=[0.6, 0.2, 0.1, 0.05, 0.05]),
+             np.repeat(np.array([9, 4, 9, 0, 65535, 4], np.uint16), [5, 1, 40, 3, 7, 8000]),  # new ones mid-step
+             rng.choice(np.arange(16, dtype=np.uint16) * 4099, 4096),  # exactly 16
+             np.full(64, 7, np.uint16)]
+    for vals in cases:
+        m = vals.size - vals.size % 32
+        few = np.full(16, -5, np.int64)
+        k = distinct_upto(vals, m, few)
+        want = first_seen(vals[:m])
+        assert k == want.size <= 16
+        np.testing.assert_array_equal(few[:k], want)
+    seventeen = np.concatenate([np.arange(17, dtype=np.uint16) * 3, np.zeros(47, np.uint16)])
+    assert distinct_upto(seventeen, 64, np.empty(16, np.int64)) == -1
+    assert distinct_upto(seventeen, 64, np.empty(17, np.int64)) == 17
+    # the 17th value past m is not looked at
+    assert distinct_upto(np.concatenate([np.arange(16, dtype=np.uint16), np.zeros(16, np.uint16),
+                                         np.full(32, 99, np.uint16)]), 32, np.empty(16, np.int64)) == 16
 
 
 @pytest.mark.parametrize("compiled", [True, False])
