@@ -79,7 +79,7 @@ from .positions import (
     encode_runs,
     entropy_bits,
     gaps_parts,
-    leb128_encode,
+    leb128_ints,
     read_model,
 )
 from .records import Op, Payload, PayloadHeader, Record
@@ -544,8 +544,7 @@ def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
         return None
     table, escape = chosen
     literal = table.size
-    head = (leb128_encode(np.array([literal, escape], np.uint64)).tobytes()
-            + table.astype(bits, copy=False).tobytes())
+    head = leb128_ints(literal, escape) + table.astype(bits, copy=False).tobytes()
     if width <= 2:
         # Without escapes every value is in the table and the lut is read only at the values:
         # the other entries need no fill (a 128 KB memset a record saved).

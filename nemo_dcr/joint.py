@@ -51,18 +51,12 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     if isinstance(t1, bytes) or isinstance(t2, bytes):
         return None
     (f1, _), (f2, _) = t1, t2
-    bits2 = _k.model_bits(c2, f2)
-    if bits2 / 8 + len(vp.head) + len(vp.tail) > value_budget:
-        return None
-    freq = np.empty(cells, np.int64)
-    if _k.rans_product_model(f1, f2, freq) < 2:
-        return None
+    freq, cum = np.empty(cells, np.int64), np.empty(cells, np.int64)
     # A float estimate: a record on the threshold's very edge could go either way between
     # builds (compiled or not); both decode to the same record.
-    if _k.joint_excess_bits(f1, f2, c1, c2, freq) > MAX_EXCESS * (_k.model_bits(c1, f1) + bits2):
+    value_bits = 8.0 * (value_budget - len(vp.head) - len(vp.tail))
+    if not _k.joint_model(f1, f2, c1, c2, value_bits, MAX_EXCESS, freq, cum):
         return None
-    cum = np.zeros(cells, np.int64)
-    np.cumsum(freq[:-1], out=cum[1:])
     lut = vp.lut if vp.lut is not None else np.arange(f2.size, dtype=np.int32)
     out = np.empty(gp.sym.size + 8, dtype="<u2")
     start = _k.rans_encode_joint(gp.sym, vp.sym, lut, f2.size, freq, cum, out)

@@ -37,6 +37,8 @@ from nemo_dcr.positions import (
     encode_runs,
     leb128_decode,
     leb128_encode,
+    leb128_ints,
+    model_bytes,
 )
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 
@@ -242,6 +244,28 @@ def test_leb128_roundtrip(xs):
     edge = [0, 1, 127, 128, 2**63 - 1, 2**63, 2**64 - 1] + [2**(7 * k) - 1 for k in range(1, 10)]
     v = np.array(xs + edge, dtype=np.uint64)
     np.testing.assert_array_equal(leb128_decode(leb128_encode(v)), v)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=8))
+def test_leb128_of_python_ints_is_the_arrays_coding(xs):
+    """leb128_ints (a header's few sizes) writes the bytes leb128_encode writes for the
+    same values as a uint64 array; a negative value is refused, not wrapped."""
+    edge = [0, 127, 128, 16383, 16384, 2**63, 2**64 - 1]
+    for values in (xs, edge):
+        assert leb128_ints(*values) == leb128_encode(np.array(values, np.uint64)).tobytes()
+    with pytest.raises(ValueError, match="negative"):
+        leb128_ints(3, -1)
+
+
+def test_model_bytes_with_a_trailer():
+    """A stream's header: the alphabet size, every frequency, then the word count (what
+    read_model and the stream reader take), as LEB128 varints."""
+    freq = np.array([1, 200, 65335], np.int64)
+    assert model_bytes(freq) == leb128_encode(np.array([3, 1, 200, 65335], np.uint64)).tobytes()
+    assert model_bytes(freq, 70000) == leb128_encode(np.array([3, 1, 200, 65335, 70000], np.uint64)).tobytes()
+    decoded = leb128_decode(np.frombuffer(model_bytes(freq.astype(np.uint64), 9), np.uint8))
+    assert decoded.tolist() == [3, 1, 200, 65335, 9]
 
 
 @settings(max_examples=200, deadline=None)

@@ -1033,6 +1033,34 @@ def test_joint_stream_rejections():
     assert "exceed" in reason(words, a=big, b=np.array([1 << 15, 1 << 15], np.uint64))
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_joint_model_decides_as_the_separate_calls(compiled):
+    """kernels.joint_model: 1 with the product model and its exclusive prefix sums exactly
+    when the values' bits fit the budget, the product has two or more cells and its
+    estimated rounding is within max_excess of the two streams' bits, as model_bits,
+    rans_product_model and joint_excess_bits say one by one; 0 otherwise."""
+    fn = kernels.joint_model if compiled else kernels.joint_model.py_func
+    rng = np.random.default_rng(4)
+    c1 = np.bincount(np.minimum(rng.geometric(0.2, 50_000) - 1, 40), minlength=41).astype(np.int64)
+    c2 = np.bincount(rng.choice(6, 50_000, p=[0.4, 0.3, 0.15, 0.1, 0.04, 0.01]), minlength=6).astype(np.int64)
+    f1, f2 = quantize(c1), quantize(c2)
+    bits2 = kernels.model_bits(c2, f2)
+    want = np.empty(f1.size * f2.size, np.int64)
+    assert kernels.rans_product_model(f1, f2, want) >= 2
+    excess = kernels.joint_excess_bits(f1, f2, c1, c2, want)
+    ratio = excess / (kernels.model_bits(c1, f1) + bits2)
+    for value_bits, max_excess, take in ((bits2 + 1, 1.0, 1), (bits2 - 1, 1.0, 0),
+                                         (1e18, ratio * 1.01, 1), (1e18, ratio * 0.99, 0)):
+        freq, cum = np.full(want.size, -7, np.int64), np.full(want.size, -7, np.int64)
+        assert fn(f1, f2, c1, c2, value_bits, max_excess, freq, cum) == take
+        if take:
+            np.testing.assert_array_equal(freq, want)
+            np.testing.assert_array_equal(cum, np.concatenate(([0], np.cumsum(want)[:-1])))
+    one = np.array([1 << 16], np.int64)  # a product of one cell: two streams
+    assert fn(one, one, np.array([9], np.int64), np.array([9], np.int64), 1e18, 1.0,
+              np.empty(1, np.int64), np.empty(1, np.int64)) == 0
+
+
 def test_joint_encoder_keeps_two_streams_when_the_product_does_not_pay():
     """Many distinct values (a product of too many cells) or a one-symbol model: None."""
     rng = np.random.default_rng(2)
@@ -1098,7 +1126,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
                  "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
                  "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint", "xor_add_entropies",
-                 "entropy_of_counts"):
+                 "entropy_of_counts", "joint_model"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
