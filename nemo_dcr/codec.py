@@ -287,11 +287,12 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         if not isinstance(r.name, str) or not r.name:
             raise ValueError(f"{where}: name must be a non-empty string")
         dt = dtypes.from_name(r.dtype)
-        op = Op(r.op)
+        op = r.op if type(r.op) is Op else Op(r.op)
         shape = tuple(r.shape)
-        if not all(type(s) is int or isinstance(s, np.integer) for s in shape):
-            raise ValueError(f"{where}: shape {shape!r} must hold integers")
-        shape = tuple(int(s) for s in shape)
+        if not all(type(s) is int for s in shape):  # numpy integers too, as ints
+            if not all(isinstance(s, np.integer) or type(s) is int for s in shape):
+                raise ValueError(f"{where}: shape {shape!r} must hold integers")
+            shape = tuple(int(s) for s in shape)
         numel = _numel(shape)
         if numel is None:
             raise ValueError(f"{where}: shape {shape} has a negative dim or > 2**63 elements")
@@ -460,7 +461,7 @@ def _best_values(vals: np.ndarray, dt: dtypes.DType, cctx: zstandard.ZstdCompres
 def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """(distinct values ascending, their counts) of unsigned values of `width` bytes."""
     if width <= 2 and 0 < vals.size <= 1 << 32:
-        v = np.ascontiguousarray(vals).view(f"<u{width}")
+        v = np.ascontiguousarray(vals).view(dtypes.unsigned(width))
         distinct = np.empty(min(v.size, 1 << (8 * width)), v.dtype)
         found = np.empty(distinct.size, np.int64)
         with _histogram_tables(width) as (table, lines):
@@ -537,7 +538,7 @@ def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
     """`encode_value_symbols` without the rANS stream (None when most values would escape)."""
     if vals.size == 0:
         return None
-    bits = np.dtype(f"<u{width}")
+    bits = dtypes.unsigned(width)
     distinct, counts = value_histogram(vals, width)
     chosen = value_table(distinct, counts, vals.size)
     if chosen is None:
@@ -666,8 +667,8 @@ def choose_op_from_add(add_values: np.ndarray, new_bits: np.ndarray, width: int)
         return Op.XOR
     if width > 2:
         return choose_op(new_bits ^ (new_bits - add_values), add_values, width)
-    a = np.ascontiguousarray(add_values).view(f"<u{width}")
-    n = np.ascontiguousarray(new_bits).view(f"<u{width}")
+    a = np.ascontiguousarray(add_values).view(dtypes.unsigned(width))
+    n = np.ascontiguousarray(new_bits).view(dtypes.unsigned(width))
     room = min(a.size, 1 << (8 * width))
     with _histogram_tables(width) as (table, lines):
         hx, ha = kernels.xor_add_entropies(a, n, table, lines, np.empty(room, a.dtype), np.empty(room, np.int64))
@@ -716,9 +717,15 @@ def _tensor_record(r: Record, dt: dtypes.DType, numel: int, where: str, prefix_o
     return Record(r.name, r.dtype, r.shape, r.op, pos.cpu().numpy(), vals.cpu().numpy()), None
 
 
+_HOST_POSITIONS = (np.dtype("<u8"), np.dtype("<u4"))
+
+
 def _positions_unsigned(positions: Any, where: str) -> np.ndarray:
     """uint64 positions, or uint32 ones as they are (the producer's in-place pieces give
     those: a copy to uint64 would cost a pass; the bytes on the wire are the same)."""
+    if type(positions) is np.ndarray and positions.dtype in _HOST_POSITIONS and positions.ndim == 1 \
+            and positions.flags.c_contiguous:
+        return positions  # the producer's: as they are (the checks below pass them unchanged)
     p = np.asarray(positions)
     if p.ndim != 1:
         raise ValueError(f"{where}: positions must be 1-D, got shape {p.shape}")
@@ -732,6 +739,9 @@ def _positions_unsigned(positions: Any, where: str) -> np.ndarray:
 
 
 def _values_bits(values: Any, dt: dtypes.DType, where: str) -> np.ndarray:
+    bits = dt.bits_numpy
+    if type(values) is np.ndarray and values.dtype == bits and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # the producer's: as they are (the checks below pass them unchanged)
     v = np.asarray(values)
     if v.ndim != 1:
         raise ValueError(f"{where}: values must be 1-D, got shape {v.shape}")
@@ -740,7 +750,7 @@ def _values_bits(values: Any, dt: dtypes.DType, where: str) -> np.ndarray:
                          f"{dt.name} (expected {dt.bits_numpy})")
     if v.dtype.kind != "b":
         v = v.astype(v.dtype.newbyteorder("<"), copy=False)
-    return np.ascontiguousarray(v).view(dt.bits_numpy)
+    return np.ascontiguousarray(v).view(bits)
 
 
 def _key_bytes(key: bytes) -> bytes:

@@ -738,12 +738,12 @@ def _compiled_diff(current: torch.Tensor, committed: torch.Tensor) -> bool:
 
 
 def _bits_view(a: np.ndarray) -> np.ndarray:
-    return a.view(np.dtype(f"<u{a.itemsize}"))
+    return a.view(dtypes.unsigned(a.itemsize))
 
 
 def _unsigned(t: torch.Tensor) -> np.ndarray:
     a = t.cpu().numpy()
-    return a.view(np.dtype(f"<u{a.itemsize}"))
+    return a.view(dtypes.unsigned(a.itemsize))
 
 
 def _whole_param(r: OwnedRange) -> torch.Tensor:
