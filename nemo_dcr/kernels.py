@@ -465,20 +465,48 @@ def strictly_increasing_below(p, max_pos):
     return -1
 
 
+@_jit_inline
+def _put_varint(out, n, v):
+    """The unsigned LEB128 of the uint64 v into out from n; returns the next free index."""
+    top = np.uint64(0x80)
+    while v >= top:
+        out[n] = np.uint8((v & np.uint64(0x7F)) | top)
+        v = v >> np.uint64(7)
+        n += 1
+    out[n] = np.uint8(v)
+    return n + 1
+
+
 @_jit
 def leb128(x, out):
     """Unsigned LEB128 of every uint64 of x into out (room for 10 bytes each); returns
     the bytes written (the same bytes as positions.leb128_encode)."""
     n = 0
-    top = np.uint64(0x80)
     for i in range(x.size):
-        v = np.uint64(x[i])
-        while v >= top:
-            out[n] = np.uint8((v & np.uint64(0x7F)) | top)
-            v = v >> np.uint64(7)
-            n += 1
-        out[n] = np.uint8(v)
-        n += 1
+        n = _put_varint(out, n, np.uint64(x[i]))
+    return n
+
+
+@_jit
+def runs_leb128(p, out):
+    """`positions.encode_runs`' varints for strictly increasing uint64 (or uint32)
+    positions p: for each run of consecutive positions, the gap from the end of the run
+    before it (from 0 for the first), then its length; into out (room for 20 bytes a
+    position). Returns the bytes written. One pass where numpy's ten steps took ~20 us
+    for a record of a few changes, the records for which runs are always tried."""
+    n = 0
+    i = 0
+    end = np.uint64(0)  # one past the previous run
+    one = np.uint64(1)
+    while i < p.size:
+        start = np.uint64(p[i])
+        j = i + 1
+        while j < p.size and np.uint64(p[j]) == np.uint64(p[j - 1]) + one:
+            j += 1
+        n = _put_varint(out, n, start - end)
+        n = _put_varint(out, n, np.uint64(j - i))
+        end = np.uint64(p[j - 1]) + one
+        i = j
     return n
 
 

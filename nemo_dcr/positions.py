@@ -132,9 +132,12 @@ def encode_runs(positions: np.ndarray) -> bytes:
 
     `positions` must already be validated: uint64, strictly increasing.
     """
-    p = np.ascontiguousarray(positions, dtype=_U64)
-    if p.size == 0:
+    if positions.size == 0:
         return b""
+    if _k.HAVE_NUMBA and positions.dtype in (_U64, _U32):  # one compiled pass, the same bytes
+        out = np.empty(2 * _MAX_VARINT_BYTES * positions.size, np.uint8)
+        return out[:_k.runs_leb128(np.ascontiguousarray(positions), out)].tobytes()
+    p = np.ascontiguousarray(positions, dtype=_U64)
     # A run starts where the previous index is not exactly one less.
     brk = np.flatnonzero(np.diff(p) != _U64(1)) + 1
     first = np.concatenate(([0], brk))

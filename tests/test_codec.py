@@ -14,7 +14,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr import dtypes
+from nemo_dcr import dtypes, kernels
 from nemo_dcr.codec import (
     CHECKSUM_BYTES,
     FLAG_HMAC,
@@ -274,6 +274,30 @@ def test_runs_roundtrip_64bit(s, extra_run):
     pos = sorted(s | {2**63 - 1 - k for k in range(extra_run)})
     p = np.array(pos, dtype=np.uint64)
     np.testing.assert_array_equal(decode_runs(encode_runs(p), p.size, 2**63), p)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sets(st.integers(0, 2**63 - 1), max_size=40), st.lists(st.integers(1, 70), max_size=4))
+def test_runs_compiled_and_numpy_write_the_same_bytes(s, runs):
+    """encode_runs' compiled pass (kernels.runs_leb128, and its plain-Python form) writes
+    the bytes of the numpy path, for uint64 positions and uint32 ones: lone positions,
+    runs of every length, gaps past 2**32 and up to 2**63 - 1."""
+    pos = set(s)
+    for k, length in enumerate(runs):
+        start = (k + 1) * 1000
+        pos |= set(range(start, start + length))
+    p = np.array(sorted(pos), dtype=np.uint64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "HAVE_NUMBA", False)
+        numpy_bytes = encode_runs(p)
+        if p.size and p[-1] < 2**32:
+            assert encode_runs(p.astype(np.uint32)) == numpy_bytes
+    assert encode_runs(p) == numpy_bytes
+    if p.size and p[-1] < 2**32:
+        assert encode_runs(p.astype(np.uint32)) == numpy_bytes
+    out = np.empty(20 * max(p.size, 1), np.uint8)
+    assert out[:kernels.runs_leb128.py_func(p, out)].tobytes() == numpy_bytes
+    assert decode_runs(numpy_bytes, p.size, 2**63).tolist() == p.tolist()
 
 
 def test_empty_payload():

@@ -1126,7 +1126,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
                  "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
                  "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint", "xor_add_entropies",
-                 "entropy_of_counts", "joint_model"):
+                 "entropy_of_counts", "joint_model", "runs_leb128"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
