@@ -5,7 +5,7 @@ real producer (`nemo_dcr.sender.Producer`), beside memcpy of the same bytes.
     python benchmarks/trainer_speed.py --smoke   # seconds (CI smoke; writes to the temp dir)
     python benchmarks/trainer_speed.py --device cuda   # the weights on a GPU (results/trainer_speed_cuda.*)
     python benchmarks/trainer_speed.py --layout model  # ~40 s; a whole model's tensors (results/trainer_speed_model.*)
-    python benchmarks/trainer_speed.py --layout moe    # ~2 min; a mixture-of-experts model (results/trainer_speed_moe.*)
+    python benchmarks/trainer_speed.py --layout moe    # ~2 min; an MoE model's tensors (results/trainer_speed_moe.*)
     python benchmarks/trainer_speed.py --encode-threads 2  # payloads encoded on 2 more threads (..._threads2.*)
     python benchmarks/trainer_speed.py --device cuda --wire-version 6  # placed and coded on the GPU (..._cuda_v6.*)
 
