@@ -130,7 +130,7 @@ def leb128_decode(buf: np.ndarray) -> np.ndarray:
 def encode_runs(positions: np.ndarray) -> bytes:
     """Raw (uncompressed) varint stream of (gap, length) pairs for sorted positions.
 
-    `positions` must already be validated: uint64, strictly increasing.
+    `positions` must already be validated: uint64 (or uint32), strictly increasing.
     """
     if positions.size == 0:
         return b""
