@@ -1090,11 +1090,17 @@ def rans_model(counts, freq, cum):
     if freq[big] + PROB_SCALE - total < 1:
         return -1
     freq[big] += PROB_SCALE - total
+    _exclusive_sums(freq, cum)
+    return used
+
+
+@_jit_inline
+def _exclusive_sums(freq, cum):
+    """cum[k] = freq[0] + ... + freq[k - 1]: where each symbol's slots start."""
     at = 0
-    for k in range(counts.size):
+    for k in range(freq.size):
         cum[k] = at
         at += freq[k]
-    return used
 
 
 @_jit
@@ -1426,10 +1432,7 @@ def joint_model(f1, f2, c1, c2, value_bits, max_excess, freq, cum):
         return 0
     if joint_excess_bits(f1, f2, c1, c2, freq) > max_excess * (model_bits(c1, f1) + bits2):
         return 0
-    at = 0
-    for k in range(freq.size):
-        cum[k] = at
-        at += freq[k]
+    _exclusive_sums(freq, cum)
     return 1
 
 
