@@ -80,15 +80,18 @@ def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int,
     f1 = f1.astype(np.int64)
     f2 = f2.astype(np.int64)
     freq = np.empty(cells, np.int64)
-    if _k.rans_product_model(f1, f2, freq) < 2:
+    used = _k.rans_product_model(f1, f2, freq)
+    if used < 2:
         raise PositionsError("joint stream: its model has fewer than two symbols")
-    table = np.empty(_k.PROB_SCALE, np.uint64)
+    # A byte per slot where it can: the smaller table stays nearer the core.
+    slots = np.empty(_k.PROB_SCALE, np.uint8 if used <= 256 else np.uint16)
+    table = np.empty(used, np.uint64)
     vmap = np.arange(f2.size) if values is None else values
-    if _k.rans_joint_table(freq, f2.size, vmap, table):
+    if _k.rans_joint_table(freq, f2.size, vmap, slots, table):
         raise PositionsError("joint stream: its model does not cover the 2**16 slots")
     q = np.empty(m, np.uint8)
     v = np.empty(m, np.int16 if values is None else values.dtype)
-    status = _k.rans_decode_joint(words, table, q, v)
+    status = _k.rans_decode_joint(words, slots, table, q, v)
     if status:
         why = {-1: "bad initial states", -2: "words run out",
                -3: "stream does not end where its symbols do"}.get(status, "corrupt")

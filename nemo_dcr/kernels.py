@@ -1487,44 +1487,55 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
 
 
 @_jit
-def rans_joint_table(freq, a2, vmap, table):
-    """The decoding table of a joint stream of model `freq` (cells q * a2 + v): for each of
-    the 2**16 slots, one uint64 with what a decoding step in that slot needs - its
-    symbol's frequency (bits 0-15), the slot's offset in the symbol's range (16-31), the
-    quotient q (32-39) and vmap[v] (40-55: the value symbol, vmap = arange(a2), or the
-    value itself where vmap is the values' table of 8- or 16-bit values) - so that a step
-    loads one entry where slot -> symbol -> frequency, start, quotient and value took five
-    dependent loads (0.69-0.95x the decoder's time on 0.1-5% refits' streams). Returns 0, or
-    -1 when the model does not cover the slots exactly (a negative, 2**16 or larger
-    frequency, or a sum other than 2**16): the table would then hold unwritten entries."""
+def rans_joint_table(freq, a2, vmap, slots, cells):
+    """The decoding tables of a joint stream of model `freq` (cells q * a2 + v): for each
+    used cell k (those of non-zero frequency, in order), one uint64 cells[k] with what a
+    decoding step needs - its frequency (bits 0-15), the first slot of its range (16-31),
+    the quotient q (32-39) and vmap[v] (40-55: the value symbol, vmap = arange(a2), or the
+    value itself where vmap is the values' table of 8- or 16-bit values) - and for each of
+    the 2**16 slots its cell's k in `slots` (uint8 for at most 256 used cells, else uint16).
+    A step loads slots[slot] and then cells[k]: two loads, from tables of 64-128 KB and of
+    a few KB, where one uint64 per slot (512 KB, this design's previous table) fills a Zen 3
+    core's L2 and its loads went on to L3 (a 3% refit's streams: 4.0 against 6.2 ns a
+    symbol; BENCHMARKS.md). Returns 0, or -1 when the model does not cover the slots
+    exactly (a negative, 2**16 or larger frequency, or a sum other than 2**16: slots would
+    then be left unwritten) or `cells` or `slots` is too small."""
+    if slots.size != PROB_SCALE:
+        return -1
     at = 0
+    k = 0
     for s in range(freq.size):
         f = freq[s]
         if f < 0 or f >= PROB_SCALE or at + f > PROB_SCALE:
             return -1
-        top = (np.uint64(f) | (np.uint64(s // a2) << np.uint64(32))
-               | ((np.uint64(vmap[s % a2]) & np.uint64(0xFFFF)) << np.uint64(40)))
-        for j in range(f):
-            table[at + j] = top | (np.uint64(j) << np.uint64(16))
+        if f == 0:
+            continue
+        if k >= cells.size or k >= 1 << (8 * slots.itemsize):
+            return -1
+        cells[k] = (np.uint64(f) | (np.uint64(at) << np.uint64(16)) | (np.uint64(s // a2) << np.uint64(32))
+                    | ((np.uint64(vmap[s % a2]) & np.uint64(0xFFFF)) << np.uint64(40)))
+        slots[at:at + f] = k
         at += f
+        k += 1
     return 0 if at == PROB_SCALE else -1
 
 
 @_jit
-def _decode_step_joint(x, words, p, table, q, v, k):
+def _decode_step_joint(x, words, p, slots, cells, q, v, k):
     """`_decode_step` of the joint stream, through its `rans_joint_table`: the symbol's
     quotient and value field (its value symbol or its value) go to q[k] / v[k]."""
-    e = table[x & np.uint64(0xFFFF)]
+    slot = x & np.uint64(0xFFFF)
+    e = cells[slots[slot]]
     q[k] = (e >> np.uint64(32)) & np.uint64(0xFF)
     v[k] = (e >> np.uint64(40)) & np.uint64(0xFFFF)
-    x = (e & np.uint64(0xFFFF)) * (x >> np.uint64(16)) + ((e >> np.uint64(16)) & np.uint64(0xFFFF))
+    x = (e & np.uint64(0xFFFF)) * (x >> np.uint64(16)) + slot - ((e >> np.uint64(16)) & np.uint64(0xFFFF))
     small = x < np.uint64(RANS_L)
     w = (x << np.uint64(16)) | np.uint64(words[p])
     return (w if small else x), p + np.uint64(small)
 
 
 @_jit
-def rans_decode_joint(words, table, q, v):
+def rans_decode_joint(words, slots, cells, q, v):
     """Decode len(q) symbols of a stream written by `rans_encode_joint` into their
     quotients q and value fields v (value symbols or values: the `rans_joint_table`
     through which it decodes says which). Returns 0,
@@ -1550,10 +1561,10 @@ def rans_decode_joint(words, table, q, v):
     m = np.uint64(q.size)
     four = np.uint64(4)
     while i + four <= m and p + four <= np.uint64(nw):
-        x0, p = _decode_step_joint(x0, words, p, table, q, v, i)
-        x1, p = _decode_step_joint(x1, words, p, table, q, v, i + np.uint64(1))
-        x2, p = _decode_step_joint(x2, words, p, table, q, v, i + np.uint64(2))
-        x3, p = _decode_step_joint(x3, words, p, table, q, v, i + np.uint64(3))
+        x0, p = _decode_step_joint(x0, words, p, slots, cells, q, v, i)
+        x1, p = _decode_step_joint(x1, words, p, slots, cells, q, v, i + np.uint64(1))
+        x2, p = _decode_step_joint(x2, words, p, slots, cells, q, v, i + np.uint64(2))
+        x3, p = _decode_step_joint(x3, words, p, slots, cells, q, v, i + np.uint64(3))
         i += four
     xs[0] = np.int64(x0)
     xs[1] = np.int64(x1)
@@ -1562,10 +1573,11 @@ def rans_decode_joint(words, table, q, v):
     ptr = np.int64(p)
     for k in range(np.int64(i), q.size):
         x = xs[k % 4]
-        e = np.int64(table[x & 0xFFFF])
+        slot = x & 0xFFFF
+        e = np.int64(cells[slots[slot]])
         q[k] = (e >> 32) & 0xFF
         v[k] = (e >> 40) & 0xFFFF
-        x = (e & 0xFFFF) * (x >> 16) + ((e >> 16) & 0xFFFF)
+        x = (e & 0xFFFF) * (x >> 16) + slot - ((e >> 16) & 0xFFFF)
         if x < RANS_L:
             if ptr >= nw:
                 return -2

@@ -960,10 +960,10 @@ def test_joint_stream_roundtrip(m):
     got_q, got_v = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words[0], m)
     np.testing.assert_array_equal(got_q, q)
     np.testing.assert_array_equal(got_v, lut[vals])
-    table = np.empty(1 << 16, np.uint64)
-    assert kernels.rans_joint_table.py_func(freq, f2.size, np.arange(f2.size), table) == 0
+    slots, table = np.empty(1 << 16, np.uint16), np.empty(np.count_nonzero(freq), np.uint64)
+    assert kernels.rans_joint_table.py_func(freq, f2.size, np.arange(f2.size), slots, table) == 0
     qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
-    assert kernels.rans_decode_joint.py_func(words[0], table, qq, vv) == 0
+    assert kernels.rans_decode_joint.py_func(words[0], slots, table, qq, vv) == 0
     np.testing.assert_array_equal(qq, q)
     np.testing.assert_array_equal(vv, lut[vals])
     # with the values' table the decoder writes the values themselves
@@ -981,25 +981,38 @@ def test_joint_stream_roundtrip(m):
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_joint_table_covers_every_slot_or_refuses(compiled):
-    """Each slot's entry names its symbol's frequency, the slot's offset in the symbol's
-    range, the cell's quotient and its value symbol's field (the symbol, or the value the
-    map gives it); a model that does not cover the 2**16 slots exactly is refused (-1),
-    leaving no entry unwritten behind a 0."""
+    """Each used cell's entry names its frequency, its range's first slot, its quotient and
+    its value symbol's field (the symbol, or the value the map gives it), and every slot
+    names its cell; a model that does not cover the 2**16 slots exactly, or tables too
+    small for its cells, are refused (-1), leaving no slot unwritten behind a 0."""
     build = kernels.rans_joint_table if compiled else kernels.rans_joint_table.py_func
     freq = np.array([0, 40000, 1, 0, 25534, 1], np.int64)  # a2 = 3: cells (0,0) .. (1,2)
+    used = np.flatnonzero(freq)
     slot = np.arange(1 << 16)
     sym = np.repeat(np.arange(freq.size), freq)
     start = np.concatenate(([0], np.cumsum(freq)[:-1]))
     values = np.array([7, 0xFFFF, 0x8001], np.uint16)
-    for vmap, field in ((np.arange(3), sym % 3), (values, values[sym % 3])):  # value symbols, or values
-        table = np.zeros(1 << 16, np.uint64)
-        assert build(freq, 3, vmap, table) == 0
-        np.testing.assert_array_equal(table & 0xFFFF, freq[sym])
-        np.testing.assert_array_equal((table >> 16) & 0xFFFF, slot - start[sym])
-        np.testing.assert_array_equal((table >> 32) & 0xFF, sym // 3)
-        np.testing.assert_array_equal(table >> 40, field)
+    for slot_type in (np.uint8, np.uint16):
+        for vmap, field in ((np.arange(3), used % 3), (values, values[used % 3])):  # value symbols, or values
+            slots, table = np.zeros(1 << 16, slot_type), np.zeros(used.size, np.uint64)
+            assert build(freq, 3, vmap, slots, table) == 0
+            np.testing.assert_array_equal(used[slots], sym)
+            np.testing.assert_array_equal(table & 0xFFFF, freq[used])
+            np.testing.assert_array_equal((table >> 16) & 0xFFFF, start[used])
+            np.testing.assert_array_equal((table >> 32) & 0xFF, used // 3)
+            np.testing.assert_array_equal(table >> 40, field)
+            entry = table[slots]  # a step's arithmetic: the slot's offset in its range
+            np.testing.assert_array_equal(slot - ((entry >> 16) & 0xFFFF).astype(np.int64), slot - start[sym])
     for bad in ([1 << 16, 0], [40000, 25535], [40000, 25537], [-1, 1 << 16, 1]):
-        assert build(np.array(bad, np.int64), 2, np.arange(2), np.zeros(1 << 16, np.uint64)) == -1, bad
+        assert build(np.array(bad, np.int64), 2, np.arange(2), np.zeros(1 << 16, np.uint16),
+                     np.zeros(3, np.uint64)) == -1, bad
+    ok = np.array([40000, 25536], np.int64)
+    assert build(ok, 2, np.arange(2), np.zeros(1 << 16, np.uint16), np.zeros(1, np.uint64)) == -1  # cells short
+    assert build(ok, 2, np.arange(2), np.zeros(1 << 15, np.uint16), np.zeros(2, np.uint64)) == -1  # slots short
+    many = np.full(300, 218, np.int64)
+    many[0] += (1 << 16) - many.sum()
+    assert build(many, 300, np.arange(300), np.zeros(1 << 16, np.uint8), np.zeros(300, np.uint64)) == -1  # > 256 cells
+    assert build(many, 300, np.arange(300), np.zeros(1 << 16, np.uint16), np.zeros(300, np.uint64)) == 0
 
 
 def test_joint_stream_rejections():
@@ -1125,7 +1138,8 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     for name in ("diff_words", "diff16", "diff16_bitscan", "affine_index", "strictly_increasing_below", "leb128",
                  "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
-                 "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint", "xor_add_entropies",
+                 "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint",
+                 "xor_add_entropies",
                  "entropy_of_counts", "joint_model", "runs_leb128"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
