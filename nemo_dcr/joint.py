@@ -22,18 +22,50 @@ Sections (everything else as in `gaps_rans` / `symbols_rans`):
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from . import kernels as _k
 from .positions import GapsParts, PositionsError, model_bytes, rans_stream_chunks, rans_table
 
 # Cells (A1 * A2) a joint model may have: its tables stay small (the encoder's 32 bytes a
-# cell, the decoder's 16), and a product over more cells than this rounds too coarsely
+# cell, the decoder's 8), and a product over more cells than this rounds too coarsely
 # to pay (every occurring cell takes at least 1 of the 2**16 slots).
 MAX_CELLS = 1 << 14
 # The product model's estimated extra bits, as a fraction of the two streams' bits, up to
 # which the encoder takes the joint stream (measured: 0.06-0.09% on +-1-ULP refits).
 MAX_EXCESS = 0.002
+
+
+def _l2_bytes() -> int:
+    """The first core's L2 in bytes (sysfs), 0 where it is not told."""
+    try:
+        for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _per_slot_table() -> bool:
+    """Whether joint streams decode through the per-slot table (one 512 KB load a step)
+    rather than the indexed one (two loads, 64-128 KB): where an L2 of 1 MiB or more holds
+    it. Measured: on a 512 KB L2 (Zen 3) the indexed table decoded a 3% refit's streams in
+    4.0 against 6.2 ns a symbol; on a 2 MB L2 (Emerald Rapids) a two-load step read ~25%
+    slower than the per-slot one (BENCHMARKS.md). NEMO_DCR_JOINT_TABLE=slot / indexed
+    picks either."""
+    choice = os.environ.get("NEMO_DCR_JOINT_TABLE", "")
+    if choice in ("slot", "indexed"):
+        return choice == "slot"
+    return _l2_bytes() >= 1 << 20
+
+
+PER_SLOT_TABLE = _per_slot_table()
 
 
 def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | None:
@@ -83,9 +115,10 @@ def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int,
     used = _k.rans_product_model(f1, f2, freq)
     if used < 2:
         raise PositionsError("joint stream: its model has fewer than two symbols")
-    # A byte per slot where it can: the smaller table stays nearer the core.
-    slots = np.empty(_k.PROB_SCALE, np.uint8 if used <= 256 else np.uint16)
-    table = np.empty(used, np.uint64)
+    if PER_SLOT_TABLE:
+        slots, table = np.empty(0, np.uint8), np.empty(_k.PROB_SCALE, np.uint64)
+    else:  # a byte a slot where it can: the smaller index stays nearer the core
+        slots, table = np.empty(_k.PROB_SCALE, np.uint8 if used <= 256 else np.uint16), np.empty(used, np.uint64)
     vmap = np.arange(f2.size) if values is None else values
     if _k.rans_joint_table(freq, f2.size, vmap, slots, table):
         raise PositionsError("joint stream: its model does not cover the 2**16 slots")

@@ -1488,19 +1488,22 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
 
 @_jit
 def rans_joint_table(freq, a2, vmap, slots, cells):
-    """The decoding tables of a joint stream of model `freq` (cells q * a2 + v): for each
-    used cell k (those of non-zero frequency, in order), one uint64 cells[k] with what a
-    decoding step needs - its frequency (bits 0-15), the first slot of its range (16-31),
-    the quotient q (32-39) and vmap[v] (40-55: the value symbol, vmap = arange(a2), or the
-    value itself where vmap is the values' table of 8- or 16-bit values) - and for each of
-    the 2**16 slots its cell's k in `slots` (uint8 for at most 256 used cells, else uint16).
-    A step loads slots[slot] and then cells[k]: two loads, from tables of 64-128 KB and of
-    a few KB, where one uint64 per slot (512 KB, this design's previous table) fills a Zen 3
-    core's L2 and its loads went on to L3 (a 3% refit's streams: 4.0 against 6.2 ns a
-    symbol; BENCHMARKS.md). Returns 0, or -1 when the model does not cover the slots
-    exactly (a negative, 2**16 or larger frequency, or a sum other than 2**16: slots would
-    then be left unwritten) or `cells` or `slots` is too small."""
-    if slots.size != PROB_SCALE:
+    """The decoding tables of a joint stream of model `freq` (cells q * a2 + v). Each used
+    cell (non-zero frequency) has one uint64 entry with what a decoding step needs: its
+    frequency (bits 0-15), the first slot of its range (16-31), the quotient q (32-39) and
+    vmap[v] (40-55: the value symbol, vmap = arange(a2), or the value itself where vmap is
+    the values' table of 8- or 16-bit values). Two forms (`joint.decode_joint` picks one
+    for the host's L2):
+    - per slot (`slots` empty): cells[slot] is the entry of the slot's cell, for each of
+      the 2**16 slots (512 KB): a decoding step loads one entry;
+    - indexed (`slots` of 2**16 uint8 or uint16): cells[k] is the k-th used cell's entry
+      and slots[slot] its k: two loads a step, from 64-128 KB and a few KB, which stay in a
+      512 KB L2 that the per-slot table fills (its loads then go on to L3).
+    Returns 0, or -1 when the model does not cover the slots exactly (a negative, 2**16 or
+    larger frequency, or a sum other than 2**16: slots would then be left unwritten) or
+    the tables are too small for it."""
+    direct = slots.size == 0
+    if (cells.size if direct else slots.size) != PROB_SCALE:
         return -1
     at = 0
     k = 0
@@ -1510,22 +1513,39 @@ def rans_joint_table(freq, a2, vmap, slots, cells):
             return -1
         if f == 0:
             continue
-        if k >= cells.size or k >= 1 << (8 * slots.itemsize):
-            return -1
-        cells[k] = (np.uint64(f) | (np.uint64(at) << np.uint64(16)) | (np.uint64(s // a2) << np.uint64(32))
-                    | ((np.uint64(vmap[s % a2]) & np.uint64(0xFFFF)) << np.uint64(40)))
-        slots[at:at + f] = k
+        e = (np.uint64(f) | (np.uint64(at) << np.uint64(16)) | (np.uint64(s // a2) << np.uint64(32))
+             | ((np.uint64(vmap[s % a2]) & np.uint64(0xFFFF)) << np.uint64(40)))
+        if direct:
+            cells[at:at + f] = e
+        else:
+            if k >= cells.size or k >= 1 << (8 * slots.itemsize):
+                return -1
+            cells[k] = e
+            slots[at:at + f] = k
         at += f
         k += 1
     return 0 if at == PROB_SCALE else -1
 
 
 @_jit
-def _decode_step_joint(x, words, p, slots, cells, q, v, k):
-    """`_decode_step` of the joint stream, through its `rans_joint_table`: the symbol's
-    quotient and value field (its value symbol or its value) go to q[k] / v[k]."""
+def _slot_entry(slots, cells, slot):
+    """A slot's entry in the per-slot form of `rans_joint_table`."""
+    return cells[slot]
+
+
+@_jit
+def _indexed_entry(slots, cells, slot):
+    """A slot's entry in the indexed form of `rans_joint_table`."""
+    return cells[slots[slot]]
+
+
+@_jit
+def _decode_step_joint(x, words, p, slots, cells, entry, q, v, k):
+    """`_decode_step` of the joint stream, through its `rans_joint_table` (`entry`: the
+    form's lookup, `_slot_entry` or `_indexed_entry`): the symbol's quotient and value
+    field (its value symbol or its value) go to q[k] / v[k]."""
     slot = x & np.uint64(0xFFFF)
-    e = cells[slots[slot]]
+    e = entry(slots, cells, slot)
     q[k] = (e >> np.uint64(32)) & np.uint64(0xFF)
     v[k] = (e >> np.uint64(40)) & np.uint64(0xFFFF)
     x = (e & np.uint64(0xFFFF)) * (x >> np.uint64(16)) + slot - ((e >> np.uint64(16)) & np.uint64(0xFFFF))
@@ -1535,10 +1555,28 @@ def _decode_step_joint(x, words, p, slots, cells, q, v, k):
 
 
 @_jit
+def _joint_blocks(words, slots, cells, entry, q, v, x0, x1, x2, x3):
+    """`rans_decode_joint`'s blocks of 4 symbols (one per state) while 4 words remain,
+    branch-free, from the four initial states: (the states, next word, symbols decoded).
+    `entry` is a compile-time choice (each form gets its own compiled loop)."""
+    p = np.uint64(8)
+    i = np.uint64(0)
+    m = np.uint64(q.size)
+    four = np.uint64(4)
+    while i + four <= m and p + four <= np.uint64(words.size):
+        x0, p = _decode_step_joint(x0, words, p, slots, cells, entry, q, v, i)
+        x1, p = _decode_step_joint(x1, words, p, slots, cells, entry, q, v, i + np.uint64(1))
+        x2, p = _decode_step_joint(x2, words, p, slots, cells, entry, q, v, i + np.uint64(2))
+        x3, p = _decode_step_joint(x3, words, p, slots, cells, entry, q, v, i + np.uint64(3))
+        i += four
+    return x0, x1, x2, x3, p, i
+
+
+@_jit
 def rans_decode_joint(words, slots, cells, q, v):
     """Decode len(q) symbols of a stream written by `rans_encode_joint` into their
     quotients q and value fields v (value symbols or values: the `rans_joint_table`
-    through which it decodes says which). Returns 0,
+    through which it decodes says which; an empty `slots`: its per-slot form). Returns 0,
     or -1 bad initial states, -2 the words run out, -3 the stream does not end exactly
     where the symbols do (all four states back at 2**16, every word read).
 
@@ -1552,20 +1590,12 @@ def rans_decode_joint(words, slots, cells, q, v):
         xs[k] = np.int64(words[2 * k]) | (np.int64(words[2 * k + 1]) << 16)
         if xs[k] < RANS_L:
             return -1
-    x0 = np.uint64(xs[0])
-    x1 = np.uint64(xs[1])
-    x2 = np.uint64(xs[2])
-    x3 = np.uint64(xs[3])
-    p = np.uint64(8)
-    i = np.uint64(0)
-    m = np.uint64(q.size)
-    four = np.uint64(4)
-    while i + four <= m and p + four <= np.uint64(nw):
-        x0, p = _decode_step_joint(x0, words, p, slots, cells, q, v, i)
-        x1, p = _decode_step_joint(x1, words, p, slots, cells, q, v, i + np.uint64(1))
-        x2, p = _decode_step_joint(x2, words, p, slots, cells, q, v, i + np.uint64(2))
-        x3, p = _decode_step_joint(x3, words, p, slots, cells, q, v, i + np.uint64(3))
-        i += four
+    x0, x1, x2, x3 = np.uint64(xs[0]), np.uint64(xs[1]), np.uint64(xs[2]), np.uint64(xs[3])
+    direct = slots.size == 0
+    if direct:
+        x0, x1, x2, x3, p, i = _joint_blocks(words, slots, cells, _slot_entry, q, v, x0, x1, x2, x3)
+    else:
+        x0, x1, x2, x3, p, i = _joint_blocks(words, slots, cells, _indexed_entry, q, v, x0, x1, x2, x3)
     xs[0] = np.int64(x0)
     xs[1] = np.int64(x1)
     xs[2] = np.int64(x2)
@@ -1574,7 +1604,7 @@ def rans_decode_joint(words, slots, cells, q, v):
     for k in range(np.int64(i), q.size):
         x = xs[k % 4]
         slot = x & 0xFFFF
-        e = np.int64(cells[slots[slot]])
+        e = np.int64(cells[slot] if direct else cells[slots[slot]])
         q[k] = (e >> 32) & 0xFF
         v[k] = (e >> 40) & 0xFFFF
         x = (e & 0xFFFF) * (x >> 16) + slot - ((e >> 16) & 0xFFFF)

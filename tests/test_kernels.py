@@ -982,37 +982,82 @@ def test_joint_stream_roundtrip(m):
 @pytest.mark.parametrize("compiled", [True, False])
 def test_joint_table_covers_every_slot_or_refuses(compiled):
     """Each used cell's entry names its frequency, its range's first slot, its quotient and
-    its value symbol's field (the symbol, or the value the map gives it), and every slot
-    names its cell; a model that does not cover the 2**16 slots exactly, or tables too
-    small for its cells, are refused (-1), leaving no slot unwritten behind a 0."""
+    its value symbol's field (the symbol, or the value the map gives it); the indexed form
+    names every slot's cell, the per-slot form holds every slot's entry. A model that does
+    not cover the 2**16 slots exactly, or tables too small for it, are refused (-1),
+    leaving no slot unwritten behind a 0."""
     build = kernels.rans_joint_table if compiled else kernels.rans_joint_table.py_func
     freq = np.array([0, 40000, 1, 0, 25534, 1], np.int64)  # a2 = 3: cells (0,0) .. (1,2)
     used = np.flatnonzero(freq)
-    slot = np.arange(1 << 16)
     sym = np.repeat(np.arange(freq.size), freq)
     start = np.concatenate(([0], np.cumsum(freq)[:-1]))
     values = np.array([7, 0xFFFF, 0x8001], np.uint16)
-    for slot_type in (np.uint8, np.uint16):
-        for vmap, field in ((np.arange(3), used % 3), (values, values[used % 3])):  # value symbols, or values
-            slots, table = np.zeros(1 << 16, slot_type), np.zeros(used.size, np.uint64)
+    for form in (np.uint8, np.uint16, None):  # the index's type, or per slot
+        for vmap, field in ((np.arange(3), sym % 3), (values, values[sym % 3])):  # value symbols, or values
+            if form is None:
+                slots, table = np.zeros(0, np.uint8), np.zeros(1 << 16, np.uint64)
+            else:
+                slots, table = np.zeros(1 << 16, form), np.zeros(used.size, np.uint64)
             assert build(freq, 3, vmap, slots, table) == 0
-            np.testing.assert_array_equal(used[slots], sym)
-            np.testing.assert_array_equal(table & 0xFFFF, freq[used])
-            np.testing.assert_array_equal((table >> 16) & 0xFFFF, start[used])
-            np.testing.assert_array_equal((table >> 32) & 0xFF, used // 3)
-            np.testing.assert_array_equal(table >> 40, field)
-            entry = table[slots]  # a step's arithmetic: the slot's offset in its range
-            np.testing.assert_array_equal(slot - ((entry >> 16) & 0xFFFF).astype(np.int64), slot - start[sym])
+            entry = table if form is None else table[slots]  # each slot's entry
+            if form is not None:
+                np.testing.assert_array_equal(used[slots], sym)
+            np.testing.assert_array_equal(entry & 0xFFFF, freq[sym])
+            np.testing.assert_array_equal((entry >> 16) & 0xFFFF, start[sym])
+            np.testing.assert_array_equal((entry >> 32) & 0xFF, sym // 3)
+            np.testing.assert_array_equal(entry >> 40, field)
     for bad in ([1 << 16, 0], [40000, 25535], [40000, 25537], [-1, 1 << 16, 1]):
-        assert build(np.array(bad, np.int64), 2, np.arange(2), np.zeros(1 << 16, np.uint16),
-                     np.zeros(3, np.uint64)) == -1, bad
+        bad = np.array(bad, np.int64)
+        assert build(bad, 2, np.arange(2), np.zeros(1 << 16, np.uint16), np.zeros(3, np.uint64)) == -1, bad
+        assert build(bad, 2, np.arange(2), np.zeros(0, np.uint16), np.zeros(1 << 16, np.uint64)) == -1, bad
     ok = np.array([40000, 25536], np.int64)
     assert build(ok, 2, np.arange(2), np.zeros(1 << 16, np.uint16), np.zeros(1, np.uint64)) == -1  # cells short
-    assert build(ok, 2, np.arange(2), np.zeros(1 << 15, np.uint16), np.zeros(2, np.uint64)) == -1  # slots short
+    assert build(ok, 2, np.arange(2), np.zeros(1 << 15, np.uint16), np.zeros(2, np.uint64)) == -1  # index short
+    assert build(ok, 2, np.arange(2), np.zeros(0, np.uint16), np.zeros(1 << 15, np.uint64)) == -1  # per slot, short
     many = np.full(300, 218, np.int64)
     many[0] += (1 << 16) - many.sum()
     assert build(many, 300, np.arange(300), np.zeros(1 << 16, np.uint8), np.zeros(300, np.uint64)) == -1  # > 256 cells
     assert build(many, 300, np.arange(300), np.zeros(1 << 16, np.uint16), np.zeros(300, np.uint64)) == 0
+
+
+@pytest.mark.parametrize("per_slot", [True, False])
+def test_joint_decoder_tables_decode_alike(monkeypatch, per_slot):
+    """Either table form (chosen per host by its L2) decodes a joint stream to the same
+    quotients and values, compiled and as Python."""
+    m = 3001
+    q, vals, lut, f1, f2 = _joint_case(m, 7)
+    freq = np.empty(f1.size * f2.size, np.int64)
+    kernels.rans_product_model(f1, f2, freq)
+    cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
+    out = np.empty(m + 8, "<u2")
+    words = out[kernels.rans_encode_joint(q, vals, lut, f2.size, freq, cum, out):]
+    monkeypatch.setattr(joint, "PER_SLOT_TABLE", per_slot)
+    got_q, got_v = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words, m)
+    np.testing.assert_array_equal(got_q, q)
+    np.testing.assert_array_equal(got_v, lut[vals])
+    if per_slot:
+        slots, table = np.zeros(0, np.uint8), np.empty(1 << 16, np.uint64)
+    else:
+        slots, table = np.zeros(1 << 16, np.uint16), np.empty(np.count_nonzero(freq), np.uint64)
+    assert kernels.rans_joint_table(freq, f2.size, np.arange(f2.size), slots, table) == 0
+    qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
+    assert kernels.rans_decode_joint.py_func(words, slots, table, qq, vv) == 0
+    np.testing.assert_array_equal(qq, q)
+    np.testing.assert_array_equal(vv, lut[vals])
+
+
+def test_joint_table_choice_follows_the_l2(monkeypatch):
+    """The per-slot table where the L2 holds it (1 MiB or more), the indexed one below
+    that or where the size is not told; NEMO_DCR_JOINT_TABLE overrides."""
+    monkeypatch.delenv("NEMO_DCR_JOINT_TABLE", raising=False)
+    for l2, per_slot in ((512 << 10, False), (1 << 20, True), (2 << 20, True), (0, False)):
+        monkeypatch.setattr(joint, "_l2_bytes", lambda l2=l2: l2)
+        assert joint._per_slot_table() is per_slot, l2
+    monkeypatch.setenv("NEMO_DCR_JOINT_TABLE", "slot")
+    assert joint._per_slot_table() is True
+    monkeypatch.setenv("NEMO_DCR_JOINT_TABLE", "indexed")
+    monkeypatch.setattr(joint, "_l2_bytes", lambda: 2 << 20)
+    assert joint._per_slot_table() is False
 
 
 def test_joint_stream_rejections():
