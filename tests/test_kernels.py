@@ -1020,17 +1020,23 @@ def test_joint_table_covers_every_slot_or_refuses(compiled):
     assert build(many, 300, np.arange(300), np.zeros(1 << 16, np.uint16), np.zeros(300, np.uint64)) == 0
 
 
-@pytest.mark.parametrize("per_slot", [True, False])
-def test_joint_decoder_tables_decode_alike(monkeypatch, per_slot):
-    """Either table form (chosen per host by its L2) decodes a joint stream to the same
-    quotients and values, compiled and as Python."""
-    m = 3001
-    q, vals, lut, f1, f2 = _joint_case(m, 7)
+def _joint_stream(m: int, seed: int):
+    """`_joint_case` coded: (q, values, lut, f1, f2, the product model, the stream's words)."""
+    q, vals, lut, f1, f2 = _joint_case(m, seed)
     freq = np.empty(f1.size * f2.size, np.int64)
     kernels.rans_product_model(f1, f2, freq)
     cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
     out = np.empty(m + 8, "<u2")
     words = out[kernels.rans_encode_joint(q, vals, lut, f2.size, freq, cum, out):]
+    return q, vals, lut, f1, f2, freq, words
+
+
+@pytest.mark.parametrize("per_slot", [True, False])
+def test_joint_decoder_tables_decode_alike(monkeypatch, per_slot):
+    """Either table form (chosen per host by its L2) decodes a joint stream to the same
+    quotients and values, compiled and as Python."""
+    m = 3001
+    q, vals, lut, f1, f2, freq, words = _joint_stream(m, 7)
     monkeypatch.setattr(joint, "PER_SLOT_TABLE", per_slot)
     got_q, got_v = joint.decode_joint(f1.astype(np.uint64), f2.astype(np.uint64), words, m)
     np.testing.assert_array_equal(got_q, q)
@@ -1063,12 +1069,7 @@ def test_joint_table_choice_follows_the_l2(monkeypatch):
 def test_joint_stream_rejections():
     """A damaged joint stream is a PositionsError naming the kernel's reason, every status."""
     m = 5000
-    q, vals, lut, f1, f2 = _joint_case(m, 1)
-    freq = np.empty(f1.size * f2.size, np.int64)
-    kernels.rans_product_model(f1, f2, freq)
-    cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
-    out = np.empty(m + 8, "<u2")
-    words = out[kernels.rans_encode_joint(q, vals, lut, f2.size, freq, cum, out):]
+    q, vals, lut, f1, f2, freq, words = _joint_stream(m, 1)
     f1u, f2u = f1.astype(np.uint64), f2.astype(np.uint64)
 
     def reason(w, n=m, a=f1u, b=f2u):
