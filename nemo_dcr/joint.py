@@ -55,13 +55,15 @@ def _l2_bytes() -> int:
 def _per_slot_table() -> bool:
     """Whether joint streams decode through the per-slot table (one 512 KB load a step)
     rather than the indexed one (two loads, 64-128 KB): where an L2 of 1 MiB or more holds
-    it. Measured: on a 512 KB L2 (Zen 3) the indexed table decoded a 3% refit's streams in
-    4.0 against 6.2 ns a symbol; on a 2 MB L2 (Emerald Rapids) a two-load step read ~25%
-    slower than the per-slot one (BENCHMARKS.md). NEMO_DCR_JOINT_TABLE=slot / indexed
-    picks either."""
+    it. Measured: on a 512 KB L2 (Zen 3) the indexed table decoded a 3% model refit's
+    streams in 4.3 against 6.4 ns a symbol; on a 2 MB L2 (Emerald Rapids) a two-load step
+    read ~25% slower than the per-slot one (BENCHMARKS.md). NEMO_DCR_JOINT_TABLE=slot /
+    indexed picks either; any other value is an error."""
     choice = os.environ.get("NEMO_DCR_JOINT_TABLE", "")
     if choice in ("slot", "indexed"):
         return choice == "slot"
+    if choice:
+        raise ValueError(f"NEMO_DCR_JOINT_TABLE={choice!r}: expected 'slot' or 'indexed' (or unset: by the L2)")
     return _l2_bytes() >= 1 << 20
 
 

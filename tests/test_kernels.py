@@ -1054,7 +1054,8 @@ def test_joint_decoder_tables_decode_alike(monkeypatch, per_slot):
 
 def test_joint_table_choice_follows_the_l2(monkeypatch):
     """The per-slot table where the L2 holds it (1 MiB or more), the indexed one below
-    that or where the size is not told; NEMO_DCR_JOINT_TABLE overrides."""
+    that or where the size is not told; NEMO_DCR_JOINT_TABLE overrides, and a value it
+    does not know is an error naming it."""
     monkeypatch.delenv("NEMO_DCR_JOINT_TABLE", raising=False)
     for l2, per_slot in ((512 << 10, False), (1 << 20, True), (2 << 20, True), (0, False)):
         monkeypatch.setattr(joint, "_l2_bytes", lambda l2=l2: l2)
@@ -1064,6 +1065,9 @@ def test_joint_table_choice_follows_the_l2(monkeypatch):
     monkeypatch.setenv("NEMO_DCR_JOINT_TABLE", "indexed")
     monkeypatch.setattr(joint, "_l2_bytes", lambda: 2 << 20)
     assert joint._per_slot_table() is False
+    monkeypatch.setenv("NEMO_DCR_JOINT_TABLE", "Slot")
+    with pytest.raises(ValueError, match="NEMO_DCR_JOINT_TABLE='Slot'"):
+        joint._per_slot_table()
 
 
 def test_joint_stream_rejections():
