@@ -61,7 +61,7 @@ from . import dtypes
 from .errors import PayloadRejected
 from . import kernels
 from . import prefix
-from .joint import decode_joint, encode_joint
+from .joint import decode_joint_gaps, encode_joint
 from .positions import (
     MAX_NUMEL,
     GapsParts,
@@ -1245,8 +1245,7 @@ def _decode_joint(m: _RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompre
                                coding="joint")
         direct = values.direct_table()  # the decoder then writes the values, not their symbols
     with _AsBad(f"{where} positions"):
-        qsym, second = decode_joint(gaps.model, values.model, gaps.words, m.count, direct)
-        pos = gaps.positions(qsym, m.numel)
+        pos, second = decode_joint_gaps(gaps, values.model, m.numel, direct)
     with _AsBad(f"{where} values"):
         vals = second if direct is not None else values.values(second)
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)

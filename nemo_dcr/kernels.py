@@ -171,6 +171,15 @@ def _store_be64(a, at, x):
     a[at:at + 8] = np.frombuffer(int(x).to_bytes(8, "big"), np.uint8)
 
 
+def _be64(b, at):
+    """Bytes at..at+7 of the uint8 array b as a big-endian uint64 (compiled: one unaligned
+    load and a byte swap where b is contiguous). Callers keep at + 8 <= b.size."""
+    w = np.uint64(0)
+    for k in range(8):
+        w = (w << np.uint64(8)) | np.uint64(b[at + k])
+    return w
+
+
 def _prefetch(a, i):
     """Hint the cache line holding a[i] into the cache (compiled: one `prefetcht0`; no-op in
     Python). Never faults, so it needs no bounds, but callers keep i inside a."""
@@ -910,27 +919,56 @@ def gaps_join(sym, esc, r, low, excess, max_pos, out, packed):
         out[i] = prev
     if ne != excess.size:
         return -3
-    # padding bits after the last gap must be zero
-    bitpos = m * r
-    while packed and bitpos < 8 * nlow:
-        if (np.int64(low[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1:
-            return -2
-        bitpos += 1
-    return 0
-
-
-# ======================================================================== prefix codes (v6)
+    return 0 if not packed or _zeros_from(low, m * r) else -2
 
 
 @_jit
-def _be64(b, at):
-    """Bytes at..at+7 of b as a big-endian uint64 (the caller keeps at + 8 <= b.size)."""
-    w = np.uint64(0)
-    for k in range(8):
-        w = (w << np.uint64(8)) | np.uint64(b[at + k])
-    return w
+def _zeros_from(low, bitpos):
+    """Whether every bit of `low` from bit `bitpos` on (MSB first) is zero: the padding
+    after a gaps section's last low bits."""
+    while bitpos < 8 * low.size:
+        if (np.int64(low[bitpos >> 3]) >> (7 - (bitpos & 7))) & 1:
+            return False
+        bitpos += 1
+    return True
 
 
+@_jit
+def gaps_escapes(out, esc, r, low, excess, max_pos):
+    """The end of `rans_decode_joint_gaps`' join, with `gaps_join`'s checks and statuses:
+    out holds the positions joined with every escaped quotient taken as esc; each escape
+    (a gap whose quotient is esc: its low bits are the gap's, the excess is excess[k] for
+    the k-th) now gets its excess, and every later position moves up with it. Returns 0,
+    or -2 non-zero padding, -4 gap beyond 2**63, -5 position > max_pos, for the first
+    gap that `gaps_join` would have refused (escapes counted by the decoder: no -3).
+    Without escapes only the last position needs the bound (the positions increase)."""
+    m = out.size
+    if excess.size == 0:
+        if m and out[m - 1] > max_pos:
+            return -5
+        return 0 if _zeros_from(low, m * r) else -2
+    big = (1 << 63) - 1
+    lowmask = (1 << r) - 1
+    raw = -1  # the position before, as the decoder joined it
+    prev = -1  # the same, with the excesses before it
+    ne = 0
+    for i in range(m):
+        g = out[i] - raw - 1
+        raw = out[i]
+        if g >> r == esc:
+            x = excess[ne]
+            ne += 1
+            if x > (big >> r) - esc:
+                return -4
+            g = ((esc + x) << r) | (g & lowmask)
+        if g > max_pos - 1 - prev:
+            return -5
+        prev = prev + 1 + g
+        out[i] = prev
+    return 0 if _zeros_from(low, m * r) else -2
+
+
+# ======================================================================== prefix codes (v6)
 
 
 PREFIX_LANES = 4  # change i's bits are in lane i % 4: four chains for the decoder to overlap
@@ -1540,18 +1578,26 @@ def _indexed_entry(slots, cells, slot):
 
 
 @_jit
-def _decode_step_joint(x, words, p, slots, cells, entry, q, v, k):
-    """`_decode_step` of the joint stream, through its `rans_joint_table` (`entry`: the
-    form's lookup, `_slot_entry` or `_indexed_entry`): the symbol's quotient and value
-    field (its value symbol or its value) go to q[k] / v[k]."""
+def _joint_step(x, words, p, slots, cells, entry):
+    """One decoding step of a joint stream through its `rans_joint_table` (`entry`: the
+    form's lookup, `_slot_entry` or `_indexed_entry`), branch-free: (the next state, the
+    next word, the symbol's entry: its quotient in bits 32-39, its value field in 40-55)."""
     slot = x & np.uint64(0xFFFF)
     e = entry(slots, cells, slot)
-    q[k] = (e >> np.uint64(32)) & np.uint64(0xFF)
-    v[k] = (e >> np.uint64(40)) & np.uint64(0xFFFF)
     x = (e & np.uint64(0xFFFF)) * (x >> np.uint64(16)) + slot - ((e >> np.uint64(16)) & np.uint64(0xFFFF))
     small = x < np.uint64(RANS_L)
     w = (x << np.uint64(16)) | np.uint64(words[p])
-    return (w if small else x), p + np.uint64(small)
+    return (w if small else x), p + np.uint64(small), e
+
+
+@_jit
+def _decode_step_joint(x, words, p, slots, cells, entry, q, v, k):
+    """`_joint_step`, the symbol's quotient and value field (its value symbol or its value)
+    to q[k] / v[k]: (the next state, the next word)."""
+    x, p, e = _joint_step(x, words, p, slots, cells, entry)
+    q[k] = (e >> np.uint64(32)) & np.uint64(0xFF)
+    v[k] = (e >> np.uint64(40)) & np.uint64(0xFFFF)
+    return x, p
 
 
 @_jit
@@ -1573,6 +1619,46 @@ def _joint_blocks(words, slots, cells, entry, q, v, x0, x1, x2, x3):
 
 
 @_jit
+def _joint_states(words, xs):
+    """The four initial states of a joint stream into xs: False when they are not states
+    (fewer than 8 words, or one below 2**16)."""
+    if words.size < 8:
+        return False
+    for k in range(4):
+        xs[k] = np.int64(words[2 * k]) | (np.int64(words[2 * k + 1]) << 16)
+        if xs[k] < RANS_L:
+            return False
+    return True
+
+
+@_jit_inline
+def _joint_checked_step(xs, k, words, ptr, slots, cells, direct):
+    """Symbol k past the blocks, with state xs[k % 4], the words' end checked: (its entry,
+    the next word), or (0, -1) where the words run out."""
+    x = xs[k % 4]
+    slot = x & 0xFFFF
+    e = np.int64(cells[slot] if direct else cells[slots[slot]])
+    x = (e & 0xFFFF) * (x >> 16) + slot - ((e >> 16) & 0xFFFF)
+    if x < RANS_L:
+        if ptr >= words.size:
+            return 0, -1
+        x = (x << 16) | np.int64(words[ptr])
+        ptr += 1
+    xs[k % 4] = x
+    return e, ptr
+
+
+@_jit_inline
+def _joint_ended(xs, ptr, words):
+    """0 where a joint stream ends exactly where its symbols do (all four states back at
+    2**16, every word read), else -3."""
+    for k in range(4):
+        if xs[k] != RANS_L:
+            return -3
+    return 0 if ptr == words.size else -3
+
+
+@_jit
 def rans_decode_joint(words, slots, cells, q, v):
     """Decode len(q) symbols of a stream written by `rans_encode_joint` into their
     quotients q and value fields v (value symbols or values: the `rans_joint_table`
@@ -1582,42 +1668,107 @@ def rans_decode_joint(words, slots, cells, q, v):
 
     In blocks of 4 symbols (one per state) while 4 words remain, branch-free; the rest one
     symbol at a time with every check."""
-    nw = words.size
-    if nw < 8:
-        return -1
     xs = np.empty(4, np.int64)
-    for k in range(4):
-        xs[k] = np.int64(words[2 * k]) | (np.int64(words[2 * k + 1]) << 16)
-        if xs[k] < RANS_L:
-            return -1
+    if not _joint_states(words, xs):
+        return -1
     x0, x1, x2, x3 = np.uint64(xs[0]), np.uint64(xs[1]), np.uint64(xs[2]), np.uint64(xs[3])
     direct = slots.size == 0
     if direct:
         x0, x1, x2, x3, p, i = _joint_blocks(words, slots, cells, _slot_entry, q, v, x0, x1, x2, x3)
     else:
         x0, x1, x2, x3, p, i = _joint_blocks(words, slots, cells, _indexed_entry, q, v, x0, x1, x2, x3)
-    xs[0] = np.int64(x0)
-    xs[1] = np.int64(x1)
-    xs[2] = np.int64(x2)
-    xs[3] = np.int64(x3)
+    xs[0], xs[1], xs[2], xs[3] = np.int64(x0), np.int64(x1), np.int64(x2), np.int64(x3)
     ptr = np.int64(p)
     for k in range(np.int64(i), q.size):
-        x = xs[k % 4]
-        slot = x & 0xFFFF
-        e = np.int64(cells[slot] if direct else cells[slots[slot]])
+        e, ptr = _joint_checked_step(xs, k, words, ptr, slots, cells, direct)
+        if ptr < 0:
+            return -2
         q[k] = (e >> 32) & 0xFF
         v[k] = (e >> 40) & 0xFFFF
-        x = (e & 0xFFFF) * (x >> 16) + slot - ((e >> 16) & 0xFFFF)
-        if x < RANS_L:
-            if ptr >= nw:
-                return -2
-            x = (x << 16) | np.int64(words[ptr])
-            ptr += 1
-        xs[k % 4] = x
-    for k in range(4):
-        if xs[k] != RANS_L:
-            return -3
-    return 0 if ptr == nw else -3
+    return _joint_ended(xs, ptr, words)
+
+
+# rans_decode_joint_gaps joins gaps of Rice shifts 1..JOINT_GAPS_MAX_SHIFT: a gap's low bits
+# and the up to 7 bits before them fit one 64-bit load.
+JOINT_GAPS_MAX_SHIFT = 56
+
+
+@_jit_inline
+def _joined_gap(e, esc, r, low, skip, v, out, k, prev, ne):
+    """Symbol k of a joint stream, from its entry e: its value field to v[k], and its gap
+    (quotient q, the r low bits at bit k * r - skip of `low`) joined: out[k] = prev + 1 +
+    (q << r | low bits); returns the next prev. An escaped quotient joins as esc
+    (`gaps_escapes` adds its excess afterwards) and is counted in ne: no branch on the
+    decoded symbol. The caller keeps the 8 bytes from the bits' first one inside low."""
+    v[k] = (e >> np.uint64(40)) & np.uint64(0xFFFF)
+    q = np.int64((e >> np.uint64(32)) & np.uint64(0xFF))
+    at = np.int64(k) * r - skip
+    bits = np.int64((_be64(low, at >> 3) << np.uint64(at & 7)) >> np.uint64(64 - r))
+    ne += q == esc
+    prev += 1 + ((q << r) | bits)
+    out[k] = prev
+    return prev, ne
+
+
+@_jit_inline
+def _joint_gaps_blocks(words, slots, cells, entry, v, esc, r, low, out, x0, x1, x2, x3):
+    """`_joint_blocks` with each symbol's gap joined as it is decoded (`_joined_gap`), for
+    the gaps whose low bits' 8-byte window lies inside `low`: (the states, next word,
+    symbols decoded, the last position, escapes seen)."""
+    p = np.uint64(8)
+    i = np.uint64(0)
+    # gap k's window starts at byte (k * r) >> 3: inside low for k * r <= 8 * low.size - 57
+    m = np.uint64(min(v.size, max(0, (8 * low.size - 57) // r + 1)))
+    four = np.uint64(4)
+    prev = -1
+    ne = 0
+    while i + four <= m and p + four <= np.uint64(words.size):
+        x0, p, e = _joint_step(x0, words, p, slots, cells, entry)
+        prev, ne = _joined_gap(e, esc, r, low, 0, v, out, i, prev, ne)
+        x1, p, e = _joint_step(x1, words, p, slots, cells, entry)
+        prev, ne = _joined_gap(e, esc, r, low, 0, v, out, i + np.uint64(1), prev, ne)
+        x2, p, e = _joint_step(x2, words, p, slots, cells, entry)
+        prev, ne = _joined_gap(e, esc, r, low, 0, v, out, i + np.uint64(2), prev, ne)
+        x3, p, e = _joint_step(x3, words, p, slots, cells, entry)
+        prev, ne = _joined_gap(e, esc, r, low, 0, v, out, i + np.uint64(3), prev, ne)
+        i += four
+    return x0, x1, x2, x3, p, i, prev, ne
+
+
+@_jit
+def rans_decode_joint_gaps(words, slots, cells, v, esc, r, low, out):
+    """`rans_decode_joint` and the gaps' join (`gaps_join`, packed low bits) in one pass:
+    each symbol's value field to v, its gap's position to out (int64), for a Rice shift
+    1 <= r <= JOINT_GAPS_MAX_SHIFT and low holding the len(v) gaps' low bits. Where a
+    separate join read back each quotient and took a branch per gap to refill its bit
+    buffer, a gap's low bits here are one load at its bit offset (k * r), and the join's
+    few instructions fill the decoder's waits on its state chains. Returns (status, escapes):
+    the status as `rans_decode_joint`'s; the quotients equal to esc (escapes) joined as esc
+    and counted, for `gaps_escapes` to add their excess and to check every position (the
+    caller keeps len(v) << (r + 8) < 2**62, so that these sums cannot overflow)."""
+    xs = np.empty(4, np.int64)
+    if not _joint_states(words, xs):
+        return -1, 0
+    x0, x1, x2, x3 = np.uint64(xs[0]), np.uint64(xs[1]), np.uint64(xs[2]), np.uint64(xs[3])
+    direct = slots.size == 0
+    if direct:
+        x0, x1, x2, x3, p, i, prev, ne = _joint_gaps_blocks(words, slots, cells, _slot_entry, v, esc, r, low,
+                                                            out, x0, x1, x2, x3)
+    else:
+        x0, x1, x2, x3, p, i, prev, ne = _joint_gaps_blocks(words, slots, cells, _indexed_entry, v, esc, r,
+                                                            low, out, x0, x1, x2, x3)
+    xs[0], xs[1], xs[2], xs[3] = np.int64(x0), np.int64(x1), np.int64(x2), np.int64(x3)
+    ptr = np.int64(p)
+    # the rest: their low bits from a copy with 8 zero bytes after them
+    first = (np.int64(i) * r) >> 3
+    rest = np.zeros(low.size - first + 8, np.uint8)
+    rest[:low.size - first] = low[first:]
+    for k in range(np.int64(i), v.size):
+        e, ptr = _joint_checked_step(xs, k, words, ptr, slots, cells, direct)
+        if ptr < 0:
+            return -2, 0
+        prev, ne = _joined_gap(np.uint64(e), esc, r, rest, 8 * first, v, out, k, prev, ne)
+    return _joint_ended(xs, ptr, words), ne
 
 
 # ======================================================================== values
@@ -1860,8 +2011,9 @@ def scatter_apply(flat, pos, vals, op):
 
 # ======================================================================== intrinsics
 #
-# The compiled forms of _vmask32, _vstep_* (diff16), _ctz64 (diff16_bitscan) and _mulhi
-# (rANS): LLVM vector and 128-bit integer operations that numba has no spelling for.
+# The compiled forms of _vmask32, _vstep_* (diff16), _ctz64 (diff16_bitscan), _mulhi
+# (rANS) and _be64 / _store_be64 (bit streams): LLVM vector, 128-bit integer and unaligned
+# byte-swapped operations that numba has no spelling for.
 # Without numba the plain Python functions above are called instead (same results).
 
 if _numba is not None:
@@ -1966,6 +2118,20 @@ if _numba is not None:
 
         return sig, codegen
 
+    @_intrinsic
+    def _load_be64_intr(typingctx, a, at):
+        if not (isinstance(a, _nt.Array) and a.dtype == _nt.uint8 and a.layout == "C"):
+            return None
+        sig = _nt.uint64(a, _nt.int64)
+
+        def codegen(context, builder, signature, args):
+            i64 = _ir.IntType(64)
+            ptr = builder.bitcast(_data(context, builder, signature.args[0], args[0], args[1]), i64.as_pointer())
+            bswap = _cg.get_or_insert_function(builder.module, _ir.FunctionType(i64, [i64]), "llvm.bswap.i64")
+            return builder.call(bswap, [builder.load(ptr, align=1)])
+
+        return sig, codegen
+
     def _make_vstep(kind):
         @_intrinsic
         def vstep(typingctx, a, b, i, mask, base, pos, new, v, n):
@@ -2054,6 +2220,12 @@ if _numba is not None:
     @_overload(_store_be64, jit_options={"nogil": True})
     def _ol_store_be64(a, at, x):
         return lambda a, at, x: _store_be64_intr(a, at, x)
+
+    @_overload(_be64, jit_options={"nogil": True})
+    def _ol_be64(b, at):
+        if isinstance(b, _nt.Array) and b.layout == "C":
+            return lambda b, at: _load_be64_intr(b, np.int64(at))
+        return _be64  # strided: byte by byte
 
     @_overload(_prefetch, jit_options={"nogil": True})
     def _ol_prefetch(a, i):

@@ -582,20 +582,48 @@ class GapsReader:
             self.stream = RansStream.read(self.rd, _SYMBOL_CAP_POSITIONS, "gaps quotients", np.uint8)
             self.alphabet, self.model, self.words = self.stream.alphabet, None, None
 
+    @property
+    def escape(self) -> int:
+        """The quotients' escape symbol (its gap's excess follows the low bits), or -1 where
+        the alphabet is below the cap and has none."""
+        return _SYMBOL_CAP_POSITIONS - 1 if self.alphabet == _SYMBOL_CAP_POSITIONS else -1
+
     def positions(self, sym: np.ndarray, numel: int) -> np.ndarray:
         """Positions (uint64) given the stream's `count` symbols."""
-        rd, count, r = self.rd, self.count, self.shift
-        esc = _SYMBOL_CAP_POSITIONS - 1 if self.alphabet == _SYMBOL_CAP_POSITIONS else -1
-        low = rd.take((count * r + 7) // 8, "gaps low bits")
-        nesc = int(np.count_nonzero(sym == esc)) if esc >= 0 else 0
-        excess = rd.varints(nesc, "gaps escaped quotients")
+        esc = self.escape
+        low, excess = self._rest(int(np.count_nonzero(sym == esc)) if esc >= 0 else 0)
+        out = np.empty(self.count, np.int64)
+        _join_status(_k.gaps_join(sym, esc, self.shift, low, excess, numel - 1, out, True), numel)
+        return out.view(_U64)
+
+    def low_bits(self) -> np.ndarray | None:
+        """The gaps' packed low bits, without reading past them; None where the section is
+        too short to hold them (`positions` then says so)."""
+        n = (self.count * self.shift + 7) // 8
+        return self.rd.buf[self.rd.pos:self.rd.pos + n] if n <= self.rd.left else None
+
+    def joined(self, out: np.ndarray, escapes: int, numel: int) -> np.ndarray:
+        """Positions (uint64) from the int64 `out` of `kernels.rans_decode_joint_gaps`, which
+        joined the gaps as the stream decoded and counted `escapes`: the rest of the
+        section read, the escapes' excess added, every position checked (in place)."""
+        low, excess = self._rest(escapes)
+        _join_status(_k.gaps_escapes(out, self.escape, self.shift, low, excess, numel - 1), numel)
+        return out.view(_U64)
+
+    def _rest(self, escapes: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the low bits, the escapes' excesses as int64): the section's rest, read to its end."""
+        rd = self.rd
+        low = rd.take((self.count * self.shift + 7) // 8, "gaps low bits")
+        excess = rd.varints(escapes, "gaps escaped quotients")
         rd.done("gaps section")
         if np.any(excess > _U64(MAX_NUMEL)):
             raise PositionsError("gaps escaped quotient beyond 2**63")
-        out = np.empty(count, np.int64)
-        status = _k.gaps_join(sym, esc, r, low, excess.astype(np.int64), numel - 1, out, True)
-        if status:
-            why = {-1: "truncated low bits", -2: "packed bits: non-zero padding",
-                   -3: "escape count mismatch", -4: "gap beyond 2**63"}.get(status, f"position >= numel {numel}")
-            raise PositionsError(why)
-        return out.view(_U64)
+        return low, excess.astype(np.int64)
+
+
+def _join_status(status: int, numel: int) -> None:
+    """Raise the PositionsError of a `gaps_join` status (0: nothing)."""
+    if status:
+        why = {-1: "truncated low bits", -2: "packed bits: non-zero padding",
+               -3: "escape count mismatch", -4: "gap beyond 2**63"}.get(status, f"position >= numel {numel}")
+        raise PositionsError(why)

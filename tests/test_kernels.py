@@ -1052,6 +1052,129 @@ def test_joint_decoder_tables_decode_alike(monkeypatch, per_slot):
     np.testing.assert_array_equal(vv, lut[vals])
 
 
+def _two_passes(gaps, f2, numel, values=None):
+    """`joint.decode_joint_gaps` as two passes: the joint stream's quotients, then their join."""
+    q, v = joint.decode_joint(gaps.model, f2, gaps.words, gaps.count, values)
+    return gaps.positions(q, numel), v
+
+
+def _escaping_positions(rng, n: int) -> np.ndarray:
+    """3% of n elements in three stretches with gaps of ~n/4 between them (escaped quotients)."""
+    parts = [np.flatnonzero(rng.random(n // 8) < 0.03) + k * (n // 3) for k in range(3)]
+    return np.concatenate(parts).astype(np.uint64)
+
+
+@pytest.mark.parametrize("per_slot", [True, False])
+@pytest.mark.parametrize("rate", [0.003, 0.03, 0.1, 0.3])
+def test_joint_gaps_in_one_pass_decode_as_two(monkeypatch, per_slot, rate):
+    """The joint stream decoded with its gaps joined on the way (`decode_joint_gaps`:
+    `kernels.rans_decode_joint_gaps`, then `gaps_escapes` for the escaped quotients)
+    gives the positions and values of the two passes, for Rice shifts from 1 up (0, at
+    30%, decodes in two passes), with and without escapes, in either table form, compiled
+    and as Python."""
+    monkeypatch.setattr(joint, "PER_SLOT_TABLE", per_slot)
+    calls = []
+    one_pass_kernel = kernels.rans_decode_joint_gaps
+    monkeypatch.setattr(kernels, "rans_decode_joint_gaps", lambda *a: calls.append(a[5]) or one_pass_kernel(*a))
+    rng = np.random.default_rng(int(rate * 1000))
+    n = int(12_000 / rate)  # 12,000 changes, and 13,500 in the escaping case
+    for pos in (np.flatnonzero(rng.random(n) < rate).astype(np.uint64), _escaping_positions(rng, 400_000)):
+        n = max(n, int(pos[-1]) + 1)
+        vals = rng.integers(1, 9, pos.size).astype(np.uint16)
+        data = codec.encode(Payload(HDR, [Record("w", "BF16", (n,), Op.ADD, pos, vals)]), dense="never")
+        assert b'"gaps_joint"' in data
+        for one_pass in (joint.decode_joint_gaps, _two_passes):
+            monkeypatch.setattr(codec, "decode_joint_gaps", one_pass)
+            out = codec.decode(data).records[0]
+            np.testing.assert_array_equal(out.positions, pos)
+            np.testing.assert_array_equal(out.values, vals)
+    # the first case's Rice shift; 0 (no low bits) takes the two passes
+    assert calls == [{0.003: 6, 0.03: 3, 0.1: 1}[rate], 4] if rate < 0.3 else calls == [4]
+    assert gaps_parts(pos).excess.size >= 2  # the last case escapes
+    monkeypatch.setattr(kernels, "rans_decode_joint_gaps", one_pass_kernel.py_func)
+    monkeypatch.setattr(kernels, "gaps_escapes", kernels.gaps_escapes.py_func)
+    monkeypatch.setattr(codec, "decode_joint_gaps", joint.decode_joint_gaps)
+    np.testing.assert_array_equal(codec.decode(data).records[0].positions, pos)
+
+
+def _raw_join(sym: np.ndarray, r: int, low: np.ndarray) -> np.ndarray:
+    """The positions `rans_decode_joint_gaps` leaves for `gaps_escapes`: every gap's
+    quotient as its symbol (escapes too), its r low bits from `low`."""
+    bits = np.unpackbits(low)[:sym.size * r].reshape(sym.size, r) if r else np.zeros((sym.size, 0), np.uint8)
+    lows = (bits.astype(np.int64) << np.arange(r - 1, -1, -1)).sum(axis=1) if r else 0
+    return np.cumsum(((sym.astype(np.int64) << r) | lows) + 1) - 1
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gaps_escapes_checks_as_gaps_join(compiled):
+    """`gaps_escapes` on the one-pass decoder's positions gives `gaps_join`'s positions and
+    status: escapes' excesses added, and the first refusal (an excess too large, a position
+    past max_pos before or after an escape, non-zero padding) named as gaps_join names it."""
+    fn = kernels.gaps_escapes if compiled else kernels.gaps_escapes.py_func
+    rng = np.random.default_rng(3)
+    pos = _escaping_positions(rng, 400_000)
+    gp = gaps_parts(pos)
+    r, esc, n = gp.shift, 255, pos.size
+    big = ((1 << 63) - 1 >> r) - esc
+    padded = gp.low.copy()
+    padded[-1] |= 1  # n * r = 13,554 * 3 bits: the last byte has padding
+    cases = [(gp.low, gp.excess, int(pos[-1])),  # valid
+             (gp.low, gp.excess, int(pos[-1]) - 1),  # the last position past max_pos
+             (gp.low, gp.excess, int(pos[100])),  # past it before the first escape
+             (gp.low, np.array([big + 1, 0], np.int64), 1 << 62),  # an excess too large
+             (gp.low, np.array([big, 0], np.int64), 1 << 62),  # the largest excess, then past max_pos
+             (padded, gp.excess, int(pos[-1])),  # non-zero padding
+             (gp.low, np.zeros(0, np.int64), 1 << 62)]  # no escapes: the bound and the padding only
+    statuses = set()
+    for low, excess, max_pos in cases:
+        want = np.empty(n, np.int64)
+        status = kernels.gaps_join(gp.sym, esc, r, low, excess, max_pos, want, True)
+        sym = gp.sym if excess.size else np.minimum(gp.sym, esc - 1)  # without escapes: none in the symbols
+        if not excess.size:
+            status = kernels.gaps_join(sym, esc, r, low, excess, max_pos, want, True)
+        got = _raw_join(sym, r, low)
+        assert fn(got, esc, r, low, excess, max_pos) == status
+        statuses.add(status)
+        if status == 0:
+            np.testing.assert_array_equal(got, want)
+    assert statuses == {0, -2, -4, -5}
+    assert gp.excess.size == 2 and (n * r) % 8
+
+
+def test_joint_gaps_in_one_pass_reject_as_two(monkeypatch):
+    """Damaged `gaps_joint` sections (the stream's words, the low bits, the escapes'
+    excesses, the padding; bits flipped or the section cut) are refused with the reason
+    the two passes give, or decode to the same record."""
+    rng = np.random.default_rng(5)
+    n = 300_000
+    pos = _escaping_positions(rng, n)
+    vals = rng.integers(1, 9, pos.size).astype(np.uint16)
+    data = codec.encode(Payload(HDR, [Record("w", "BF16", (n,), Op.ADD, pos, vals)]))
+
+    def at_end(seed):  # flip a bit in the section's last 64 bytes: low bits, escapes, padding
+        def damage(b):
+            r = np.random.default_rng(seed)
+            b[len(b) - 1 - int(r.integers(0, 64))] ^= 1 << int(r.integers(0, 8))
+            return b
+        return damage
+
+    reasons = []
+    for i in range(80):
+        bad = _resealed(data, "positions", at_end(i) if i % 2 else _random_damage(i))
+        got = []
+        for decode in (joint.decode_joint_gaps, _two_passes):
+            monkeypatch.setattr(codec, "decode_joint_gaps", decode)
+            try:
+                rec = codec.decode(bad).records[0]
+                got.append((rec.positions.tobytes(), rec.values.tobytes()))
+            except PayloadRejected as e:
+                got.append(e.reason)
+        assert got[0] == got[1], i
+        reasons.append(got[0] if isinstance(got[0], str) else None)
+    kinds = {r.split("positions:")[-1].strip()[:24] for r in reasons if r}
+    assert len(kinds) >= 4, kinds
+
+
 def test_joint_table_choice_follows_the_l2(monkeypatch):
     """The per-slot table where the L2 holds it (1 MiB or more), the indexed one below
     that or where the size is not told; NEMO_DCR_JOINT_TABLE overrides, and a value it
@@ -1189,7 +1312,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
                  "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
                  "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint",
-                 "xor_add_entropies",
+                 "rans_decode_joint_gaps", "gaps_escapes", "xor_add_entropies",
                  "entropy_of_counts", "joint_model", "runs_leb128"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
