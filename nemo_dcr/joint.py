@@ -118,7 +118,8 @@ def decode_joint_gaps(gaps: GapsReader, f2: np.ndarray, numel: int,
     `decode_joint`'s second array) from a `gaps_joint` section read up to its words and
     the values' model f2: `decode_joint` then `gaps.positions`, the same results and the
     same errors, in one pass where the gaps' shift allows it (`kernels.rans_decode_joint_gaps`:
-    each gap joined as its quotient decodes, measured ~0.8x the time of the two passes)."""
+    each gap joined as its quotient decodes: 0.80-0.87x the two passes' time on the Zen 3 host,
+    BENCHMARKS.md)."""
     m, r = gaps.count, gaps.shift
     low = gaps.low_bits()
     if low is None or not 1 <= r <= _k.JOINT_GAPS_MAX_SHIFT or m << (r + 8) >= 1 << 62:
