@@ -559,7 +559,8 @@ def decode_gaps_rans(raw: bytes | memoryview, count: int, numel: int) -> np.ndar
 class GapsReader:
     """A `gaps_rans` section read up to its rANS stream's symbols (`RansStream`), so that
     the codec can decode them together with the values' stream (`decode_rans_pair`);
-    `positions` then checks and joins the rest."""
+    `positions` then checks and joins the rest (or, for a joint stream whose gaps the
+    decoder joined itself, `joined` adds the escapes' excesses and checks)."""
 
     __slots__ = ("rd", "count", "shift", "stream", "alphabet", "model", "words")
 
