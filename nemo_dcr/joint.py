@@ -122,7 +122,7 @@ def decode_joint_gaps(gaps: GapsReader, f2: np.ndarray, numel: int,
     BENCHMARKS.md)."""
     m, r = gaps.count, gaps.shift
     low = gaps.low_bits()
-    if low is None or not 1 <= r <= _k.JOINT_GAPS_MAX_SHIFT or m << (r + 8) >= 1 << 62:
+    if low is None or r == 0 or m << (r + 8) >= 1 << 62:  # the one pass's bounds (its docstring)
         q, v = decode_joint(gaps.model, f2, gaps.words, m, values)
         return gaps.positions(q, numel), v
     slots, table = _decoding_table(gaps.model, f2, values)

@@ -1688,11 +1688,6 @@ def rans_decode_joint(words, slots, cells, q, v):
     return _joint_ended(xs, ptr, words)
 
 
-# rans_decode_joint_gaps joins gaps of Rice shifts 1..JOINT_GAPS_MAX_SHIFT: a gap's low bits
-# and the up to 7 bits before them fit one 64-bit load.
-JOINT_GAPS_MAX_SHIFT = 56
-
-
 @_jit_inline
 def _joined_gap(e, esc, r, low, skip, v, out, k, prev, ne):
     """Symbol k of a joint stream, from its entry e: its value field to v[k], and its gap
@@ -1739,13 +1734,14 @@ def _joint_gaps_blocks(words, slots, cells, entry, v, esc, r, low, out, x0, x1, 
 def rans_decode_joint_gaps(words, slots, cells, v, esc, r, low, out):
     """`rans_decode_joint` and the gaps' join (`gaps_join`, packed low bits) in one pass:
     each symbol's value field to v, its gap's position to out (int64), for a Rice shift
-    1 <= r <= JOINT_GAPS_MAX_SHIFT and low holding the len(v) gaps' low bits. Where a
+    r >= 1 and low holding the len(v) gaps' low bits. Where a
     separate join read back each quotient and took a branch per gap to refill its bit
     buffer, a gap's low bits here are one load at its bit offset (k * r), and the join's
     few instructions fill the decoder's waits on its state chains. Returns (status, escapes):
     the status as `rans_decode_joint`'s; the quotients equal to esc (escapes) joined as esc
     and counted, for `gaps_escapes` to add their excess and to check every position (the
-    caller keeps len(v) << (r + 8) < 2**62, so that these sums cannot overflow)."""
+    caller keeps len(v) << (r + 8) < 2**62, so that these sums cannot overflow; it also keeps
+    r <= 53, so a gap's low bits and the up to 7 bits before them fit one 64-bit load)."""
     xs = np.empty(4, np.int64)
     if not _joint_states(words, xs):
         return -1, 0

@@ -600,7 +600,7 @@ class GapsReader:
     def low_bits(self) -> np.ndarray | None:
         """The gaps' packed low bits, without reading past them; None where the section is
         too short to hold them (`positions` then says so)."""
-        n = (self.count * self.shift + 7) // 8
+        n = self._low_bytes
         return self.rd.buf[self.rd.pos:self.rd.pos + n] if n <= self.rd.left else None
 
     def joined(self, out: np.ndarray, escapes: int, numel: int) -> np.ndarray:
@@ -611,10 +611,15 @@ class GapsReader:
         _join_status(_k.gaps_escapes(out, self.escape, self.shift, low, excess, numel - 1), numel)
         return out.view(_U64)
 
+    @property
+    def _low_bytes(self) -> int:
+        """The packed low bits' length: count * shift bits, padded to a byte."""
+        return (self.count * self.shift + 7) // 8
+
     def _rest(self, escapes: int) -> tuple[np.ndarray, np.ndarray]:
         """(the low bits, the escapes' excesses as int64): the section's rest, read to its end."""
         rd = self.rd
-        low = rd.take((self.count * self.shift + 7) // 8, "gaps low bits")
+        low = rd.take(self._low_bytes, "gaps low bits")
         excess = rd.varints(escapes, "gaps escaped quotients")
         rd.done("gaps section")
         if np.any(excess > _U64(MAX_NUMEL)):
