@@ -254,7 +254,12 @@ class Reader:
         return vals
 
     def varint(self, what: str, hi: int) -> int:
-        v = int(self.varints(1, what)[0])
+        pos = self.pos
+        if pos < self.buf.size and self.buf[pos] < 0x80:  # one byte, most of them: no compiled call
+            v = int(self.buf[pos])
+            self.pos = pos + 1
+        else:
+            v = int(self.varints(1, what)[0])
         if v > hi:
             raise PositionsError(f"{what}: {v} out of range (max {hi})")
         return v
@@ -407,7 +412,15 @@ def rans_stream_chunks(freq: np.ndarray, words: np.ndarray) -> list:
 
 def read_model(r: Reader, max_alphabet: int, what: str) -> np.ndarray:
     """A stream's model at the reader's cursor (alphabet size, then every quantised
-    frequency), checked: uint64 frequencies, 1 <= alphabet <= max_alphabet, summing to 2**16."""
+    frequency), checked: uint64 frequencies, 1 <= alphabet <= max_alphabet, summing to 2**16.
+    A valid model is read in one compiled call (`kernels.model_parse`); what it refuses is
+    read again step by step, which names the fault."""
+    if _k.HAVE_NUMBA:
+        out = np.empty(max(1, min(max_alphabet, r.left)), _U64)  # each frequency takes a byte or more
+        alphabet, end = _k.model_parse(r.buf, r.pos, max_alphabet, RANS_SCALE, out)
+        if alphabet:
+            r.pos = int(end)
+            return out[:alphabet]
     alphabet = r.varint(f"{what} alphabet size", max_alphabet)
     if alphabet < 1:
         raise PositionsError(f"{what}: empty alphabet")
@@ -440,8 +453,7 @@ class RansStream:
         freq = read_model(r, max_alphabet, what)
         self.alphabet = alphabet = freq.size
         nwords = r.varint(f"{what} word count", r.left // 2)
-        nonzero = np.flatnonzero(freq)
-        self.only = int(nonzero[0]) if nonzero.size == 1 else None  # a stream of one symbol
+        self.only = int(freq.argmax()) if np.count_nonzero(freq) == 1 else None  # a stream of one symbol
         if self.only is not None:
             if nwords:
                 raise PositionsError(f"{what}: a one-symbol stream carries no words")
@@ -451,9 +463,9 @@ class RansStream:
             raise PositionsError(f"{what}: malformed rANS stream ({nwords} words)")
         self.words = r.take(2 * nwords, f"{what} words").view("<u2")
         self.freq = freq.astype(np.int64)
-        self.cum = np.zeros(alphabet, np.int64)
-        np.cumsum(self.freq[:-1], out=self.cum[1:])
-        self.slot2sym = np.repeat(np.arange(alphabet, dtype=out_dtype), self.freq)
+        self.cum = np.empty(alphabet, np.int64)
+        self.slot2sym = np.empty(RANS_SCALE, out_dtype)  # the model sums to RANS_SCALE (read_model)
+        _k.rans_slot_table(self.freq, self.cum, self.slot2sym)
         return self
 
     def model(self) -> tuple:
@@ -622,7 +634,7 @@ class GapsReader:
         low = rd.take(self._low_bytes, "gaps low bits")
         excess = rd.varints(escapes, "gaps escaped quotients")
         rd.done("gaps section")
-        if np.any(excess > _U64(MAX_NUMEL)):
+        if escapes and (excess > _U64(MAX_NUMEL)).any():
             raise PositionsError("gaps escaped quotient beyond 2**63")
         return low, excess.astype(np.int64)
 

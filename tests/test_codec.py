@@ -31,14 +31,19 @@ from nemo_dcr.codec import (
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.positions import (
     PositionsError,
+    RansStream,
+    Reader,
     decode_gaps_rans,
     decode_runs,
     encode_gaps_rans,
+    encode_rans,
     encode_runs,
     leb128_decode,
     leb128_encode,
     leb128_ints,
     model_bytes,
+    quantize,
+    read_model,
 )
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 
@@ -266,6 +271,65 @@ def test_model_bytes_with_a_trailer():
     assert model_bytes(freq, 70000) == leb128_encode(np.array([3, 1, 200, 65335, 70000], np.uint64)).tobytes()
     decoded = leb128_decode(np.frombuffer(model_bytes(freq.astype(np.uint64), 9), np.uint8))
     assert decoded.tolist() == [3, 1, 200, 65335, 9]
+
+
+def _read_both_ways(raw: bytes, max_alphabet: int):
+    """read_model of raw through the one compiled call and step by step (no numba paths):
+    each as (frequencies, cursor after) or the error's message."""
+    out = []
+    for compiled in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernels, "HAVE_NUMBA", compiled and kernels.HAVE_NUMBA)
+            r = Reader(np.frombuffer(raw, np.uint8))
+            r.pos = 1  # a byte before the model, as in a section
+            try:
+                out.append((read_model(r, max_alphabet, "m").tolist(), r.pos))
+            except PositionsError as e:
+                out.append(str(e))
+    return out
+
+
+def test_read_model_in_one_call_reads_and_refuses_as_step_by_step():
+    """read_model's compiled call (kernels.model_parse) gives the frequencies and cursor of
+    the varint-by-varint path for valid models, and for every damaged one the same error:
+    an empty or oversized alphabet, a frequency above 2**16, sums off by one, non-minimal
+    and truncated varints, models cut short."""
+    rng = np.random.default_rng(5)
+    valid = [quantize(rng.integers(1, 50, a)) for a in (1, 2, 7, 100, 255, 256)]
+    valid += [np.array([0, 65536, 0], np.int64), np.array([65535, 1], np.int64)]
+    cases = [(b"\x07" + model_bytes(f, 9) + b"\x01", 256) for f in valid]
+    bad = [[0], [3, 1, 2], [2, 65537, 0], [2, 32768, 32767], [2, 32768, 32769], [300] + [218] * 299 + [334]]
+    cases += [(b"\x07" + leb128_encode(np.array(b, np.uint64)).tobytes(), 256) for b in bad]
+    good = b"\x07" + model_bytes(valid[3])
+    cases += [(good[:k], 256) for k in (1, 2, 5, len(good) - 1)]  # cut short
+    cases += [(good, 99), (b"\x07\x81\x00\x80\x80\x04", 256), (b"\x07\x01\x80\x80\x84\x00", 256)]  # non-minimal
+    for raw, max_alphabet in cases:
+        compiled, stepwise = _read_both_ways(raw, max_alphabet)
+        assert compiled == stepwise, raw[:12]
+    assert _read_both_ways(cases[3][0], 256)[0][0] == valid[3].tolist()
+    assert sum(isinstance(_read_both_ways(raw, a)[0], str) for raw, a in cases) == len(cases) - len(valid)
+    out = np.empty(256, np.uint64)
+    buf = np.frombuffer(cases[4][0], np.uint8)
+    assert kernels.model_parse.py_func(buf, 1, 256, 65536, out) == kernels.model_parse(buf, 1, 256, 65536, out)
+
+
+def test_rans_slot_table_is_the_prefix_sums_and_repeat():
+    """The decoding tables of a stream's model (kernels.rans_slot_table, compiled and as
+    Python): numpy's exclusive prefix sums and repeat of each symbol over its slots, zero
+    frequencies included, for every output dtype the streams use."""
+    rng = np.random.default_rng(6)
+    for freq in (quantize(rng.integers(0, 9, 300)), np.array([0, 65536], np.int64), quantize(np.ones(1025))):
+        for dtype in (np.uint8, np.int16, np.int32):
+            if freq.size > np.iinfo(dtype).max + 1:
+                continue
+            for fn in (kernels.rans_slot_table, kernels.rans_slot_table.py_func):
+                cum, slots = np.empty(freq.size, np.int64), np.empty(65536, dtype)
+                fn(freq, cum, slots)
+                np.testing.assert_array_equal(cum, np.concatenate([[0], np.cumsum(freq)[:-1]]))
+                np.testing.assert_array_equal(slots, np.repeat(np.arange(freq.size, dtype=dtype), freq))
+    sym = rng.integers(0, 5, 3000)
+    st_ = RansStream.read(Reader(encode_rans(sym, np.bincount(sym))), 8, "t", np.uint8)
+    np.testing.assert_array_equal(st_.decode(sym.size), sym)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1313,7 +1313,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
                  "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
                  "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint",
                  "rans_decode_joint_gaps", "gaps_escapes", "xor_add_entropies",
-                 "entropy_of_counts", "joint_model", "runs_leb128"):
+                 "entropy_of_counts", "joint_model", "runs_leb128", "model_parse", "rans_slot_table"):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
