@@ -534,6 +534,8 @@ def test_malformed_header_json():
     (lambda h: h["records"][0].update(dtype="F4"), "unknown dtype 'F4'"),
     (lambda h: h["records"][0].update(dtype=2), "unknown dtype"),
     (lambda h: h["records"][0].update(op="mul"), "unknown op 'mul'"),
+    (lambda h: h["records"][0].update(op=["xor"]), "unknown op ['xor']"),
+    (lambda h: h["records"][0].update(op="XOR"), "unknown op 'XOR'"),
     (lambda h: h["records"][0].update(name=""), "name: expected a non-empty string"),
     (lambda h: h["records"][0].update(shape=[8, "16"]), "expected an integer"),
     (lambda h: h["records"][0].update(shape=8), "shape must be a list"),
