@@ -78,7 +78,7 @@ def cmd_receive(args) -> int:
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
     model.eval()
-    runtime = HFRuntime(model, checkpoint_dir=args.checkpoint)
+    runtime = HFRuntime(model, checkpoint_dir=args.checkpoint, apply_threads=args.apply_threads)
     transport = registry.transport(args.transport, json.loads(args.transport_config))
     end = transport.receiver(args.id)
     receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True),
@@ -104,6 +104,17 @@ def _key(env_var: str | None) -> bytes | None:
     if not value:
         raise SystemExit(f"HMAC key variable {env_var} is not set")
     return value.encode()
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _free_port() -> int:
@@ -318,6 +329,9 @@ def main(argv=None) -> int:
     r.add_argument("--release-memory", action="store_true",
                    help="hand memory freed after each refit back to the OS (default: keep it for the next "
                         "refit, see nemo_dcr/malloc.py)")
+    r.add_argument("--apply-threads", type=_positive_int, default=None,
+                   help="threads for the pause's in-place apply (default: the cores this process may use, "
+                        "at most 8)")
     r.set_defaults(func=cmd_receive)
 
     m = sub.add_parser("make-checkpoint", help="write a small random version-0 HF checkpoint")

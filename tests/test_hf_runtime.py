@@ -128,8 +128,11 @@ def test_catalog_from_safetensors_headers(checkpoints):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("op", list(Op))
-def test_apply_is_bit_exact_and_revert_restores(checkpoints, family, op):
-    rt = receiver(checkpoints, family)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_apply_is_bit_exact_and_revert_restores(checkpoints, family, op, threads):
+    """With one apply thread record after record; with three the xor / add scatters side
+    by side (nemo_dcr.runtimes.scatter): the same bits either way."""
+    rt = receiver(checkpoints, family, apply_threads=threads)
     old = bits(rt)
     new = perturb(old, seed=7)
     recs = records_for(rt, old, new, op)
@@ -309,11 +312,13 @@ def test_check_rejects_without_writing(checkpoints, bad, match):
 @pytest.mark.parametrize("bad, match", [(lambda p: p.__setitem__(900, p[899]), "strictly increasing"),
                                         (lambda p: p.__setitem__(-1, 128 * 64), "out of range")],
                          ids=["repeated", "past-the-end"])
-def test_a_bad_position_deep_in_a_record_changes_nothing(checkpoints, op, bad, match):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_bad_position_deep_in_a_record_changes_nothing(checkpoints, op, bad, match, threads):
     """The compiled scatter checks xor / add positions as it writes (no pass of their own
     in the pause): the changes before the bad one are taken back, and the records applied
-    before it in the same call reverted, so the call leaves every bit as it was."""
-    rt = receiver(checkpoints, "llama")
+    before it in the same call reverted, so the call leaves every bit as it was; so too
+    with the scatters side by side on two threads."""
+    rt = receiver(checkpoints, "llama", apply_threads=threads)
     old = bits(rt)
     name = "model.layers.0.mlp.up_proj.weight"  # one plain copy into CPU storage: the scatter's
     assert rt._scatters(rt._plan({name})[name])

@@ -40,14 +40,18 @@ class UndoLog:
         return len(self.steps)
 
 
+def negated(values: np.ndarray) -> np.ndarray:
+    """-values mod 2**width, for unsigned bit values: what undoes an add."""
+    return (~values + values.dtype.type(1)).astype(values.dtype, copy=False)
+
+
 def inverse(record: Record) -> Record:
     """The record that undoes `record` for xor/add (overwrite needs the old bits)."""
     if record.op is Op.XOR:
         return record
     if record.op is Op.ADD:
-        values = np.asarray(record.values)
-        negated = (~values + values.dtype.type(1)).astype(values.dtype, copy=False)
-        return Record(record.name, record.dtype, record.shape, Op.ADD, record.positions, negated)
+        return Record(record.name, record.dtype, record.shape, Op.ADD, record.positions,
+                      negated(np.asarray(record.values)))
     raise ValueError(f"{record.name}: an overwrite record is undone by the old bits, not inverted")
 
 

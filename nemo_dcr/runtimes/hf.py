@@ -30,6 +30,7 @@ from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes.base import Catalog
 from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, module_fingerprint, module_storages, storage_key
+from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.private_memory import privatize
 
 
@@ -117,10 +118,14 @@ class HFRuntime(NativeLoaderAdapter):
     Tensors that still lie in a memory-mapped checkpoint (how `from_pretrained` leaves a
     CPU model) are first copied into memory of their own (`private_memory.privatize`;
     `privatized_bytes` says how much): applied bits must not follow the file on disk.
+    apply_threads: threads for the pause's scatters into CPU storage; None: the cores
+    this process may use, at most 8 (`nemo_dcr.runtimes.scatter`).
     """
 
     def __init__(self, model: torch.nn.Module, checkpoint_dir: str | os.PathLike | None = None,
-                 scratch_device: str | torch.device | None = None):
+                 scratch_device: str | torch.device | None = None, apply_threads: int | None = None):
+        self.apply_threads = apply_threads
+        scatter.resolve_threads(apply_threads)  # a bad value fails here, not at the first refit
         self.model = model
         self.privatized_bytes = privatize(model)
         self.scratch_device = scratch_device

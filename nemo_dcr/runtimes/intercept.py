@@ -45,6 +45,7 @@ its elements with `_held_mask`.
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import math
 from collections.abc import Sequence
@@ -58,12 +59,14 @@ from nemo_dcr import dtypes, kernels
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.positions import check_positions, signed_view
 from nemo_dcr.records import Op, Record
+from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
 
 _aten = torch.ops.aten
 # numpy dtype with the same width as `DType.bits_torch` (torch lacks wide unsigned ops)
 _NP_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _NEVER_WROTE = "the runtime's loader never wrote this tensor (skipped)"
+_SCATTER_OP = {Op.XOR: scatter.XOR, Op.ADD: scatter.ADD}
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -200,6 +203,14 @@ class _View:
         return idx.reshape(-1)
 
 
+def _scatter_arrays(bits: torch.Tensor, record: Record) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the compiled scatter takes for `record` on the contiguous CPU bit view `bits`:
+    the storage's flat unsigned view and the record's own positions and values (no torch
+    copies of either)."""
+    flat = bits.view(-1).numpy().view(np.dtype(f"<u{bits.element_size()}"))
+    return flat, signed_view(record.positions), np.asarray(record.values, dtype=flat.dtype)
+
+
 def _torch_bits(values: np.ndarray, dtype: dtypes.DType) -> torch.Tensor:
     """Unsigned numpy bits -> the same-width torch integer view (`DType.bits_torch`)."""
     arr = np.ascontiguousarray(values, dtype=f"=u{dtype.itemsize}")
@@ -327,6 +338,10 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     """
 
     full_coverage = True  # the loader must consume every element of a tensor it loads
+    # Threads for the pause's compiled scatters (`nemo_dcr.runtimes.scatter`); None: the
+    # cores this process may use, at most 8; 1: one thread, record after record.
+    apply_threads: int | None = None
+    _pool: scatter.ScatterPool | None = None
     _batch_layout: tuple | None = None  # while a `batch()` is open: the layout, checked once
     scratch_device: str | torch.device | None = None  # None: the tensor's own device
 
@@ -380,13 +395,16 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         plans = self._prepare(records, applying=True)
         log = UndoLog()
         try:
+            pooled = self._pooled(records, plans)
             for i, record in enumerate(records):
-                if not len(record):  # an empty record changes nothing
+                if not len(record) or i in pooled:  # an empty record changes nothing
                     continue
                 try:
                     log.steps.append(self._execute(record, plans[record.name]))
                 except _BadPositions as bad:  # found by the compiled scatter, its own changes taken back
                     raise ApplyError(f"record {i} ({record.name!r}): {bad}") from None
+            if pooled:
+                self._apply_pooled([(i, records[i], plans[records[i].name]) for i in sorted(pooled)], log)
         except BaseException as exc:
             try:
                 self._undo(log.steps, plans)  # same geometry: no second loader run
@@ -656,6 +674,32 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise
         return undo
 
+    def _pooled(self, records: list[Record], plans: dict[str, _Plan]) -> set[int]:
+        """Indices of the xor / add records the scatter pool applies side by side: those
+        the compiled scatter takes, each the only record of its tensor in this call (so
+        no two threads write one element). None with a single apply thread."""
+        if scatter.resolve_threads(self.apply_threads) < 2:
+            return set()
+        names = collections.Counter(r.name for r in records)
+        return {i for i, r in enumerate(records)
+                if len(r) and Op(r.op) in _SCATTER_OP and names[r.name] == 1 and self._scatters(plans[r.name])}
+
+    def _apply_pooled(self, work: list[tuple[int, Record, _Plan]], log: UndoLog) -> None:
+        """Scatter (index, record, plan) side by side; the applied ones join `log`."""
+        jobs = [scatter.Job(*_scatter_arrays(dtypes.bits_of(plan.copies[0].dst.detach()), record),
+                            _SCATTER_OP[Op(record.op)]) for _, record, plan in work]
+        applied = self._scatter_pool().run(jobs)  # each job whole, or (bad positions) none of it
+        log.steps.extend(_Inverse(record) for (_, record, _), ok in zip(work, applied) if ok)
+        bad = next(((i, record) for (i, record, _), ok in zip(work, applied) if not ok), None)
+        if bad is not None:
+            raise ApplyError(f"record {bad[0]} ({bad[1].name!r}): {_positions_problem(bad[1])}")
+
+    def _scatter_pool(self) -> scatter.ScatterPool:
+        threads = scatter.resolve_threads(self.apply_threads)
+        if self._pool is None or self._pool.threads != threads:  # made once; again if apply_threads changed
+            self._pool = scatter.ScatterPool(threads)
+        return self._pool
+
     @staticmethod
     def _scatters(plan: _Plan) -> bool:
         """Whether `_write` applies records of `plan` with the compiled scatter (which checks
@@ -668,12 +712,9 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         bits = dtypes.bits_of(copy.dst.detach())
         device = bits.device
         if self._scatters(plan):
-            # sparse, compiled: one pass over the record on the unsigned view of the storage
-            # (the record's own arrays: no torch copies of positions or values)
-            flat = bits.view(-1).numpy().view(np.dtype(f"<u{bits.element_size()}"))
+            flat, pos, values = _scatter_arrays(bits, record)
             code = {Op.XOR: 0, Op.ADD: 1, Op.OVERWRITE: 2}[op]
-            pos = signed_view(record.positions)
-            bad = kernels.scatter_apply(flat, pos, np.asarray(record.values, dtype=flat.dtype), code)
+            bad = kernels.scatter_apply(flat, pos, values, code)
             if bad:
                 if op is Op.OVERWRITE:  # its positions were checked before its old bits were read
                     raise ApplyError(f"{record.name}: {_positions_problem(record)} after the check",
