@@ -291,6 +291,7 @@ class Producer:
         *,
         op: Op | str = AUTO,
         max_payload_elements: int = 1 << 20,
+        first_payload_elements: int | None = None,
         chunk_elements: int = 1 << 22,
         key: bytes | None = None,
         zstd_level: int = 1,
@@ -316,7 +317,10 @@ class Producer:
         v6's prefix streams, `nemo_dcr.prefix`); only the positions and new bits the
         baseline stages and the payloads' bytes reach the host. "always": the same torch
         code for ranges on the CPU too (slower than the compiled host path; for tests and
-        benchmarks). "never": every range's changes are coded on the host."""
+        benchmarks). "never": every range's changes are coded on the host.
+        `first_payload_elements`: where the first payload of a refit is cut (default
+        max_payload_elements // 16): a small first payload reaches the link after a
+        sixteenth of the diffing a full one needs, and the link is the refit's bound."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
@@ -324,6 +328,9 @@ class Producer:
         if type(wire_version) is not int or wire_version not in codec.WRITABLE_VERSIONS:
             raise ValueError(f"wire_version must be {codec.writable_versions_text()} (the formats payloads can "
                              f"be written in), got {wire_version!r}")
+        if first_payload_elements is not None and (type(first_payload_elements) is not int
+                                                   or first_payload_elements < 1):
+            raise ValueError(f"first_payload_elements must be a positive int or None, got {first_payload_elements!r}")
         if device_coding not in ("gpu", "always", "never"):
             raise ValueError(f"device_coding must be 'gpu', 'always' or 'never', got {device_coding!r}")
         self.wire_version = wire_version
@@ -332,6 +339,7 @@ class Producer:
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
         self.op = AUTO if op == AUTO else Op(op)
         self.max_payload_elements, self.chunk = max_payload_elements, chunk_elements
+        self.first_payload_elements = first_payload_elements
         self.key, self.level = key, zstd_level
         # With a history, the encoded payloads of the transfer in flight, by id (the attempt
         # that last sent each): after the commit they are stored as that version's delta.
@@ -390,6 +398,11 @@ class Producer:
             self.sent = {}
         # With encode_threads, payloads being encoded elsewhere, in payload order: (id, arena, job, batch).
         in_flight: deque[tuple[str, _Arena, Future, _Batch]] = deque()
+        first_cut = self.first_payload_elements or max(1, self.max_payload_elements // 16)
+
+        def full() -> bool:
+            """Whether the payload being built is cut now (the first one early: see __init__)."""
+            return builder.elements >= (self.max_payload_elements if all_ids else first_cut)
 
         def encode(batch: _Batch, pid: str, arena: _Arena) -> tuple[bytes | None, dict, float, float]:
             """(the payload's bytes, None when it is skipped; its records' digests; seconds
@@ -520,7 +533,7 @@ class Producer:
                         t = time.perf_counter()
                         rep.placed_elements += _place_on_device(builder, amap, positions_t, offset, op, delta)
                         rep.times["place"] += time.perf_counter() - t
-                        if builder.elements >= self.max_payload_elements:
+                        if full():
                             emit()
                         elif in_flight:
                             collect(keep=self.encode_threads)
@@ -544,7 +557,7 @@ class Producer:
                                 None if new is None else new[src], increasing)
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
-                if builder.elements >= self.max_payload_elements:
+                if full():
                     emit()
                 elif in_flight:
                     collect(keep=self.encode_threads)  # stream what is encoded without waiting for the next payload

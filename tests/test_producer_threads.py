@@ -168,3 +168,29 @@ def test_report_times_with_threads():
     rep = prod.refit(TransferInfo("t", 0, 1, ("p0",)))
     assert rep.times["encode"] > 0 and rep.times["encode_wait"] >= 0
     assert sender.ProducerReport("x").times.keys() == rep.times.keys()
+
+
+@pytest.mark.parametrize("first", [None, 64, 500])
+def test_the_first_payload_is_cut_early_the_others_at_the_limit(first):
+    """The first payload leaves after a sixteenth of a full one's diffing (by default), so
+    bytes reach the link early; the later ones are cut at max_payload_elements. A chunk
+    (4096 elements) is the finest cut, so a payload holds at most the limit + one chunk's
+    changes."""
+    params, owned, maps, specs = _weights()
+    end = KeepingEnd()
+    prod = Producer("p0", owned, maps, specs, Baseline(), end, max_payload_elements=2000, chunk_elements=4096,
+                    first_payload_elements=first)
+    _step(params, 0.05, seed=1)
+    prod.refit(TransferInfo("t", 0, 1, ("p0",)))
+    sizes = [sum(len(r) for r in codec.decode(d).records) for d in end.payloads]
+    past = 4096 * 0.08  # a chunk's changes at 5%, with room: no payload runs past its cut by more
+    cut = first or 2000 // 16
+    assert cut <= sizes[0] < cut + past
+    assert len(sizes) > 3 and all(2000 <= n < 2000 + past for n in sizes[1:-1]) and sizes[-1] < 2000 + past
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8"])
+def test_first_payload_elements_is_checked(bad):
+    params, owned, maps, specs = _weights()
+    with pytest.raises(ValueError, match="first_payload_elements must be a positive int"):
+        Producer("p0", owned, maps, specs, Baseline(), KeepingEnd(), first_payload_elements=bad)
