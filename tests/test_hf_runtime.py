@@ -25,6 +25,7 @@ from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.runtimes.hf import HFRuntime
 from nemo_dcr.runtimes.intercept import _Restore
+from nemo_dcr.runtimes.scatter import ScatterPool
 from tests.support.records import records_for as records_for_catalog
 
 transformers = pytest.importorskip("transformers")
@@ -133,6 +134,7 @@ def test_apply_is_bit_exact_and_revert_restores(checkpoints, family, op, threads
     """With one apply thread record after record; with three the xor / add scatters side
     by side (nemo_dcr.runtimes.scatter): the same bits either way."""
     rt = receiver(checkpoints, family, apply_threads=threads)
+    rt._pool = ScatterPool(threads, piece=64)  # small pieces: these records do reach the other threads
     old = bits(rt)
     new = perturb(old, seed=7)
     recs = records_for(rt, old, new, op)
@@ -319,6 +321,7 @@ def test_a_bad_position_deep_in_a_record_changes_nothing(checkpoints, op, bad, m
     before it in the same call reverted, so the call leaves every bit as it was; so too
     with the scatters side by side on two threads."""
     rt = receiver(checkpoints, "llama", apply_threads=threads)
+    rt._pool = ScatterPool(threads, piece=64)
     old = bits(rt)
     name = "model.layers.0.mlp.up_proj.weight"  # one plain copy into CPU storage: the scatter's
     assert rt._scatters(rt._plan({name})[name])

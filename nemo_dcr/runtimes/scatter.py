@@ -137,7 +137,10 @@ class ScatterPool:
                     results[k] = e
                     stop.set()
 
-        helpers = min(self.threads, len(pieces)) - 1
+        # Threads for at least a piece's worth of changes each: a handful of small records is
+        # applied on the calling thread alone (handing them over would cost more than it saves).
+        changes = sum(hi - lo for _, lo, hi in pieces)
+        helpers = min(self.threads, -(-changes // self.piece)) - 1
         if helpers <= 0:
             work()
             return results
