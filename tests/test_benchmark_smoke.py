@@ -163,3 +163,13 @@ def test_reliability_costs_benchmark_smoke():
     assert set(res["rows"]) == {"plain", "readback", "history", "retry"} and res["rows"]["retry"]["attempts"] == 2
     assert res["rows"]["readback"]["readback_s"] > 0 and res["rows"]["history"]["history_s"] > 0
     assert res["anchor_s"] > 0 and set(res["catch_up"]) == {"deltas", "anchor"}
+
+
+def test_receiver_pause_benchmark_smoke(tmp_path):
+    """One receiver's pause on one thread and on the cores: same bits, rows for both."""
+    res = _run(["benchmarks/receiver_pause.py", "--threads", "2"], tmp_path, "receiver_pause")
+    assert res["benchmark"] == "receiver_pause" and res["bit_exact"]
+    assert {(r["rate"], r["threads"]) for r in res["rows"]} == {(0.03, 1), (0.03, 2), (0.05, 1), (0.05, 2)}
+    for row in res["rows"]:
+        assert row["changes"] > 0 and row["payloads"] >= 2 and len(row["pause_s"]) == res["rounds"]
+        assert 0 < row["min_s"] <= row["median_s"] and row["ns_per_change"] > 0
