@@ -677,7 +677,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     def _pooled(self, records: list[Record], plans: dict[str, _Plan]) -> set[int]:
         """Indices of the xor / add records the scatter pool applies side by side: those
         the compiled scatter takes, each the only record of its tensor in this call (so
-        no two threads write one element). None with a single apply thread."""
+        no two threads write one element). None of them with a single apply thread."""
         if scatter.resolve_threads(self.apply_threads) < 2:
             return set()
         names = collections.Counter(r.name for r in records)

@@ -1,9 +1,9 @@
 """The pause's compiled scatters, spread over threads.
 
 Why: while the runtime is paused its host's cores have nothing else to do, and one
-core's scatter is bound by how many cache lines it keeps in flight rather than by the
-memory system: on the 2-core benchmark host one thread applies a 3% refit of the 1.07B
-model (32M changes) in ~77 ms and two threads in ~61 ms (BENCHMARKS.md, "The pause on
+core's scatter does not take all of the memory system: on the 2-core benchmark host the
+kernel applies a 3% refit of the 1.07B model (32M changes) in ~77 ms on one thread and
+~61 ms on two, one receiver's whole pause in 88 and 78 ms (BENCHMARKS.md, "The pause on
 the receiver's cores"). The kernel releases the GIL (numba `nogil`), so plain threads
 run it side by side.
 
@@ -86,7 +86,6 @@ class ScatterPool:
             raise ValueError(f"piece must be a positive integer, got {piece!r}")
         self.threads, self.piece = threads, piece
         self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # one run at a time: the workers share its counters
 
     def run(self, jobs: list[Job]) -> list[bool]:
         """Apply every job; per job, True when applied whole, False when its positions
@@ -102,8 +101,7 @@ class ScatterPool:
                 good[j] = False  # a seam out of order: no piece of it is dispatched
                 continue
             pieces.extend((j, lo, min(lo + self.piece, n)) for lo in range(0, n, self.piece))
-        with self._lock:
-            results = self._apply(jobs, pieces)
+        results = self._apply(jobs, pieces)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             good = [False] * len(jobs)  # raised: nothing of any job is left applied
