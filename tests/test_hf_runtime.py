@@ -336,6 +336,29 @@ def test_a_bad_position_deep_in_a_record_changes_nothing(checkpoints, op, bad, m
     assert_bits(rt, old)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_written_record_reaches_the_wrote_hook(checkpoints, threads):
+    """Adapters follow up on what was written through `_wrote` (vLLM re-processes those
+    layers): records the scatter pool writes reach it too, applied and reverted."""
+    seen = []
+
+    class Noting(HFRuntime):
+        def _wrote(self, plan, step):
+            seen.append(plan.name)
+
+    d, model_cls = checkpoints["llama"]
+    rt = Noting(model_cls.from_pretrained(d, dtype=torch.bfloat16), d, apply_threads=threads)
+    rt._pool = ScatterPool(threads, piece=64)
+    old = bits(rt)
+    recs = records_for(rt, old, perturb(old, seed=5), Op.ADD)
+    log = rt.apply(recs)
+    assert sorted(seen) == sorted(r.name for r in recs)
+    seen.clear()
+    rt.revert(log)
+    assert sorted(seen) == sorted(r.name for r in recs)
+    assert_bits(rt, old)
+
+
 @pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32, np.uint64])
 def test_positions_of_any_unsigned_width_apply(checkpoints, width):
     """A record may hold its positions in any unsigned width; the scatter sees them as

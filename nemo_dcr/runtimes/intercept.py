@@ -652,8 +652,19 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         return bool(marks.all())
 
     # -- writing -------------------------------------------------------------------
+    def _wrote(self, plan: _Plan, step) -> None:
+        """Called once a record has been written (on the calling thread or by the scatter
+        pool, applied or undone), with its undo step: a hook for adapters that follow up
+        on what was written (vLLM re-runs its post-load processing for those layers)."""
+
     def _execute(self, record: Record, plan: _Plan):
         """Apply one record; return the step that undoes it. All or nothing."""
+        step = self._write_record(record, plan)
+        self._wrote(plan, step)
+        return step
+
+    def _write_record(self, record: Record, plan: _Plan):
+        """`_execute` on this thread, before the `_wrote` hook."""
         if plan.irregular:
             return self._dense_overwrite(record, plan)
         if Op(record.op) is Op.OVERWRITE:
@@ -689,7 +700,10 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         jobs = [scatter.Job(*_scatter_arrays(dtypes.bits_of(plan.copies[0].dst.detach()), record),
                             _SCATTER_OP[Op(record.op)]) for _, record, plan in work]
         applied = self._scatter_pool().run(jobs)  # each job whole, or (bad positions) none of it
-        log.steps.extend(_Inverse(record) for (_, record, _), ok in zip(work, applied) if ok)
+        for (_, record, plan), ok in zip(work, applied):
+            if ok:
+                log.steps.append(step := _Inverse(record))
+                self._wrote(plan, step)
         bad = next(((i, record) for (i, record, _), ok in zip(work, applied) if not ok), None)
         if bad is not None:
             raise ApplyError(f"record {bad[0]} ({bad[1].name!r}): {_positions_problem(bad[1])}")

@@ -251,12 +251,10 @@ class VLLMRuntime(NativeLoaderAdapter):
         return self.canonical_state()[name]
 
     # -- apply / revert, then vLLM's own post-load processing ------------------------
-    def _execute(self, record: Record, plan):
-        step = super()._execute(record, plan)
+    def _wrote(self, plan, step) -> None:
         self._touched.update(c.dst_key for c in plan.copies)
         if isinstance(step, _Restore):
             self._touched.update(storage_key(dst) for dst, _ in step.items)
-        return step
 
     def batch(self):
         # No layout shared across calls: the post-load processing after every apply may
