@@ -95,6 +95,23 @@ def test_a_pool_runs_again_and_empty_jobs():
         assert np.array_equal(f, w)
 
 
+def test_a_closed_pool_lets_its_threads_go_and_runs_again():
+    pool = ScatterPool(3, piece=16)
+    flats, jobs = _jobs(seed=4)
+    want = _expected(flats, jobs)
+    pool.run(jobs[:3])
+    helpers = list(pool._pool._threads)  # this pool's (other tests' pools have threads of the same name)
+    assert helpers and all(t.name.startswith("dcr-apply") for t in helpers)
+    pool.close()
+    for t in helpers:
+        t.join(10)
+    assert not any(t.is_alive() for t in helpers)
+    assert pool.run(jobs[3:]) == [True] * 3  # new threads
+    pool.close()
+    for f, w in zip(flats, want):
+        assert np.array_equal(f, w)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_thread_counts_are_checked(bad):
     with pytest.raises(ValueError, match="positive integer"):

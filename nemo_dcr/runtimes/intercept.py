@@ -711,6 +711,8 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     def _scatter_pool(self) -> scatter.ScatterPool:
         threads = scatter.resolve_threads(self.apply_threads)
         if self._pool is None or self._pool.threads != threads:  # made once; again if apply_threads changed
+            if self._pool is not None:
+                self._pool.close()
             self._pool = scatter.ScatterPool(threads)
         return self._pool
 

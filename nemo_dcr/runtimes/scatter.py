@@ -87,6 +87,12 @@ class ScatterPool:
         self.threads, self.piece = threads, piece
         self._pool: ThreadPoolExecutor | None = None
 
+    def close(self) -> None:
+        """Let the helper threads exit (a later `run` starts new ones)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
     def run(self, jobs: list[Job]) -> list[bool]:
         """Apply every job; per job, True when applied whole, False when its positions
         are bad (nothing of it is left applied). An exception raised while applying
