@@ -37,14 +37,18 @@ def _expected(flats, jobs):
     return out
 
 
+def _assert_equal(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for j, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(g, w), f"destination {j}"
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("piece", [1, 7, 64, 1 << 17])
 def test_same_bits_as_one_thread(threads, piece):
     flats, jobs = _jobs(seed=threads * 100 + piece)
     want = _expected(flats, jobs)
     assert ScatterPool(threads, piece=piece).run(jobs) == [True] * len(jobs)
-    for got, w in zip(flats, want):
-        assert np.array_equal(got, w)
+    _assert_equal(flats, want)
 
 
 @pytest.mark.parametrize("where", ["inside a piece", "at a seam", "past the end", "in the last piece"])
@@ -68,8 +72,7 @@ def test_a_bad_job_is_taken_back_whole_and_the_others_applied(where, threads):
     want.insert(2, None)
     got = ScatterPool(threads, piece=piece).run(jobs)
     assert got == [True, True, False, True, True, True]
-    for j, (f, w, b) in enumerate(zip(flats, want, before)):
-        assert np.array_equal(f, b if j == 2 else w), j
+    _assert_equal(flats, [b if j == 2 else w for j, (w, b) in enumerate(zip(want, before))])
 
 
 def test_an_exception_takes_back_every_job():
@@ -79,8 +82,7 @@ def test_an_exception_takes_back_every_job():
     jobs[3] = Job(jobs[3].flat, jobs[3].positions, jobs[3].values.astype(np.float32), XOR)
     with pytest.raises(Exception):
         ScatterPool(3, piece=50).run(jobs)
-    for f, b in zip(flats, before):
-        assert np.array_equal(f, b)
+    _assert_equal(flats, before)
 
 
 def test_a_pool_runs_again_and_empty_jobs():
@@ -91,8 +93,7 @@ def test_a_pool_runs_again_and_empty_jobs():
     assert pool.run([]) == []
     empty = Job(np.zeros(4, np.uint16), np.zeros(0, np.int64), np.zeros(0, np.uint16), XOR)
     assert pool.run([empty]) == [True]
-    for f, w in zip(flats, want):
-        assert np.array_equal(f, w)
+    _assert_equal(flats, want)
 
 
 def test_a_closed_pool_lets_its_threads_go_and_runs_again():
@@ -108,8 +109,7 @@ def test_a_closed_pool_lets_its_threads_go_and_runs_again():
     assert not any(t.is_alive() for t in helpers)
     assert pool.run(jobs[3:]) == [True] * 3  # new threads
     pool.close()
-    for f, w in zip(flats, want):
-        assert np.array_equal(f, w)
+    _assert_equal(flats, want)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
