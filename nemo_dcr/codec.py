@@ -309,7 +309,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
             if _PAIR_MIN <= pos.size < numel:
                 # Coded as gaps: splitting them checks the order on the way (one pass fewer);
                 # when it fails, check_positions says what is wrong.
-                gaps = gaps_parts(pos) if pos.ndim == 1 else None
+                gaps = gaps_parts(pos, reuse=True) if pos.ndim == 1 else None
                 why = check_positions(pos, numel) if gaps is None or int(pos[-1]) >= numel else None
             else:
                 why = check_positions(pos, numel)
@@ -389,7 +389,7 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
         # Both raw sections at once: gaps and value symbols first, then one joint stream
         # (nemo_dcr.joint) when neither runs nor planes could be smaller, else their two
         # rANS streams in one pass and the same choices as below.
-        gp = gaps_parts(pos) if gp is None else gp
+        gp = gaps_parts(pos, reuse=True) if gp is None else gp
         vp = value_parts(vals, dt.itemsize)
         joint = None
         if joint_ok and vp is not None and not _runs_worth_trying(count, gp.zeros):

@@ -661,7 +661,7 @@ def rice_pick(h0, base, k, cap):
 
 
 @_jit
-def gaps_split(p, r, esc, sym, counts, low, excess):
+def gaps_split(p, r, esc, sym, counts, low, excess, lows):
     """Gaps of sorted int64 (or uint32) positions, split by the Rice shift r.
 
     sym[i] = min(g_i >> r, esc), counts[s] += 1, the r low bits of every gap packed MSB
@@ -670,6 +670,8 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
     0), or (0, 0, 0, 1 + i) when position i is negative or not above the one before it
     (the first such i): the split checks the order on the way, so callers need no
     separate pass over the positions. On that error `sym` may hold symbols already.
+    `lows` is scratch for the low bits one a byte: ceil(n / 8) * 8 bytes when 1 <= r <= 8
+    (whole uint64 words; the caller's, so that a warm buffer can be reused), else unused.
 
     Three passes, each ~0.3-0.6 ns a gap, where one loop doing all of it took 1.6: the
     symbols, order check and counts of zero and escaped gaps (no state carried from gap to
@@ -684,7 +686,6 @@ def gaps_split(p, r, esc, sym, counts, low, excess):
     if n == 0:
         return 0, 0, 0, 0
     as_bytes = 1 <= r <= 8
-    lows = np.empty(-(-n // 8) * 8 if as_bytes else 0, np.uint8)  # whole uint64 words of them
     lowmask = (1 << r) - 1
     first = np.int64(p[0])  # g_0 = p[0]: the gap from position -1
     neg = first < 0

@@ -27,6 +27,8 @@ Decoding raises `PositionsError` (a ValueError) with a reason; the codec turns i
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import kernels as _k
@@ -541,21 +543,46 @@ class GapsParts:
         return out
 
 
-def gaps_parts(positions: np.ndarray) -> GapsParts | None:
+_SCRATCH = threading.local()  # per thread: the byte buffer that gaps_parts(reuse=True) hands out
+_SCRATCH_CAP = 1 << 25  # bytes; larger splits allocate their own (a buffer is held for the thread's life)
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """nbytes of this thread's scratch (grown as needed), or fresh memory above _SCRATCH_CAP.
+
+    Why: a split's symbols and low-bit bytes live only until the record is coded, and
+    fresh memory for them costs a page fault per 4 KiB on first touch; reused memory is
+    warm."""
+    if nbytes > _SCRATCH_CAP:
+        return np.empty(nbytes, np.uint8)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _SCRATCH.buf = np.empty(max(nbytes, 2 * (0 if buf is None else buf.size)), np.uint8)
+    return buf[:nbytes]
+
+
+def gaps_parts(positions: np.ndarray, reuse: bool = False) -> GapsParts | None:
     """Rice shift, quotient symbols and their counts, packed low bits and escaped
     quotients of sorted uint64 (or uint32) positions (count >= 1): `encode_gaps_rans`
     without the rANS stream. None when the positions are not strictly increasing (or one
     is >= 2**63): the split checks that as it goes, so a caller need not check the order
-    first (the upper bound, the last position, is the caller's)."""
+    first (the upper bound, the last position, is the caller's).
+
+    reuse: the symbols (`sym`) and the split's low-bit bytes live in this thread's
+    scratch: `sym` is valid only until the thread's next gaps_parts(reuse=True), for a
+    caller that codes it before then (the codec does)."""
     p = signed_view(np.ascontiguousarray(positions))
     n = p.size
     r = _k.rice_shift(p, _SYMBOL_CAP_POSITIONS - 1)  # on a sample; one compiled pass or two
     esc = _SYMBOL_CAP_POSITIONS - 1
-    sym = np.empty(n, np.uint8)
+    words = -(-n // 8) * 8  # the split writes the low bits as bytes in whole uint64 words
+    nlows = words if 1 <= r <= 8 else 0
+    buf = _scratch(words + nlows) if reuse else np.empty(words + nlows, np.uint8)
+    sym, lows = buf[:n], buf[words:words + nlows]
     counts = np.zeros(_SYMBOL_CAP_POSITIONS, np.int64)
     low = np.empty((n * r + 7) // 8, np.uint8)
     excess = np.empty(n, np.int64)
-    nb, ne, zeros, bad = _k.gaps_split(p, r, esc, sym, counts, low, excess)
+    nb, ne, zeros, bad = _k.gaps_split(p, r, esc, sym, counts, low, excess, lows)
     if bad:
         return None
     alphabet = int((counts != 0).nonzero()[0][-1]) + 1

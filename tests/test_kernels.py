@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr import codec, joint, kernels
+from nemo_dcr import codec, joint, kernels, positions
 from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff, diff_arrays
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.placement import AffineMap, Piece
@@ -499,7 +499,8 @@ def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
 
     def run(p):
         return split(p, r, 255, np.empty(p.size, np.uint8), np.zeros(256, np.int64),
-                     np.empty((p.size * r + 7) // 8, np.uint8), np.empty(p.size, np.int64))
+                     np.empty((p.size * r + 7) // 8, np.uint8), np.empty(p.size, np.int64),
+                     np.empty(-(-p.size // 8) * 8 if 1 <= r <= 8 else 0, np.uint8))
 
     pos = np.arange(0, 6003, 3, dtype=np.int64) << (r // 2)
     assert run(pos)[3] == 0
@@ -529,7 +530,8 @@ def test_gaps_split_matches_a_numpy_reference(compiled, r, dtype):
         q = g >> r
         sym, counts = np.empty(p.size, np.uint8), np.zeros(256, np.int64)
         low, excess = np.empty((p.size * r + 7) // 8, np.uint8), np.empty(p.size, np.int64)
-        nb, ne, zeros, bad = split(p, r, 255, sym, counts, low, excess)
+        lows = np.full(-(-p.size // 8) * 8 if 1 <= r <= 8 else 0, 0xA5, np.uint8)  # dirty scratch
+        nb, ne, zeros, bad = split(p, r, 255, sym, counts, low, excess, lows)
         assert bad == 0
         np.testing.assert_array_equal(sym, np.minimum(q, 255))
         np.testing.assert_array_equal(counts, np.bincount(np.minimum(q, 255), minlength=256))
@@ -1095,6 +1097,51 @@ def test_joint_gaps_in_one_pass_decode_as_two(monkeypatch, per_slot, rate):
     monkeypatch.setattr(kernels, "gaps_escapes", kernels.gaps_escapes.py_func)
     monkeypatch.setattr(codec, "decode_joint_gaps", joint.decode_joint_gaps)
     np.testing.assert_array_equal(codec.decode(data).records[0].positions, pos)
+
+
+
+def _same_split(a, b) -> None:
+    assert a.shift == b.shift and a.zeros == b.zeros
+    for field in ("sym", "counts", "low", "excess"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+
+
+def test_gaps_parts_in_scratch_match_fresh_memory(monkeypatch):
+    """gaps_parts(reuse=True) gives the split of fresh memory after a larger split and a
+    smaller one dirtied the thread's scratch (shifts 1-8 and 0, escapes included), and
+    hands out more than its cap as fresh memory."""
+    rng = np.random.default_rng(11)
+    cases = [np.flatnonzero(rng.random(n) < rate).astype(np.uint64)
+             for n, rate in [(300_000, 0.05), (2_000_000, 0.003), (40_000, 0.6), (9_000, 0.01)]]
+    cases.append(_escaping_positions(rng, 400_000))
+    for pos in cases:
+        fresh = gaps_parts(pos)
+        gaps_parts(cases[1], reuse=True)  # dirty: the largest split
+        gaps_parts(cases[3], reuse=True)
+        _same_split(gaps_parts(pos, reuse=True), fresh)
+    monkeypatch.setattr(positions, "_SCRATCH_CAP", 1 << 12)
+    pos = np.arange(0, 4 * 6000, 4, dtype=np.uint64)  # symbols alone past the cap
+    first, second = gaps_parts(pos, reuse=True), gaps_parts(pos[1:], reuse=True)
+    assert not np.shares_memory(first.sym, second.sym)
+
+
+def test_threads_splitting_at_once_keep_their_own_scratch():
+    """Payloads encoded on four threads at once (the producer's encode threads) are the
+    bytes one thread gives: each thread's splits use its own scratch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(12)
+    payloads = []
+    for k in range(16):
+        n = int(rng.integers(50_000, 400_000))
+        pos = np.flatnonzero(rng.random(n) < rng.choice([0.01, 0.05, 0.2])).astype(np.uint64)
+        vals = (rng.integers(1, 4, pos.size) * rng.choice([1, -1], pos.size)).astype(np.uint16)
+        payloads.append(Payload(HDR, [Record(f"w{k}.{j}", "BF16", (n,), Op.XOR, pos[j::2], vals[j::2])
+                                      for j in range(2)]))
+    want = [codec.encode(p) for p in payloads]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(codec.encode, payloads)) == want
 
 
 def _raw_join(sym: np.ndarray, r: int, low: np.ndarray) -> np.ndarray:
