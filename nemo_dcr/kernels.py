@@ -65,6 +65,10 @@ def _jit_inline(f):
     return _numba.njit(cache=True, nogil=True, inline="always")(f)
 
 
+# The project's compiled-kernel decorators, for kernels kept in the modules they serve.
+jit, jit_inline = _jit, _jit_inline
+
+
 
 # ======================================================================== diff
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_dcr.digest import StateDigest, state_digest
 from nemo_dcr.records import Op, Record
 
 Catalog = dict[str, tuple[str, tuple[int, ...]]]
@@ -31,10 +32,15 @@ class UndoLog:
     carries the old bits of just the overwritten positions), or an adapter-specific
     object for changes that cannot be expressed as a record. A log belongs to the
     adapter that produced it and can be reverted once.
+
+    `digest`: how the apply moved the whole-state digest (`nemo_dcr.digest`), from the
+    bits the runtime held before each write and after it; None when the adapter cannot
+    tell (the receiver then knows its digest no longer). A revert moves it back exactly.
     """
 
     steps: list[Any] = field(default_factory=list)
     reverted: bool = False
+    digest: StateDigest | None = None
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -95,3 +101,10 @@ class RuntimeAdapter(ABC):
     @abstractmethod
     def canonical_state(self) -> dict[str, torch.Tensor]:
         """Current tensors by canonical name, for verification (views are fine)."""
+
+    def state_digest(self) -> StateDigest | None:
+        """The whole-state digest of what the runtime holds now, read from its storage
+        (O(model)); None when it cannot be read (the bits are not known to be any version,
+        e.g. a model initialised with dummy weights whose loader-format copies were never
+        written)."""
+        return state_digest(self.canonical_state())

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_dcr import dtypes, kernels
+from nemo_dcr import digest, dtypes, kernels
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.positions import check_positions, signed_view
 from nemo_dcr.records import Op, Record
@@ -219,6 +219,12 @@ def _torch_bits(values: np.ndarray, dtype: dtypes.DType) -> torch.Tensor:
     return torch.from_numpy(arr.view(_NP_BITS[dtype.itemsize]))
 
 
+def _new_bits(op: Op, old: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The bits an xor / add record leaves where the runtime held `old` (unsigned, one width)."""
+    values = np.asarray(values, dtype=old.dtype)
+    return np.bitwise_xor(old, values) if op is Op.XOR else old + values  # unsigned: wraps mod 2**width
+
+
 class _BadPositions(Exception):
     """The compiled scatter met a record's bad position; nothing of the record is applied."""
 
@@ -338,6 +344,9 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     """
 
     full_coverage = True  # the loader must consume every element of a tensor it loads
+    # Whether `apply` reports how it moved the whole-state digest (`UndoLog.digest`); off,
+    # the logs carry None and the writes skip the digest's arithmetic.
+    track_digest = True
     # Threads for the pause's compiled scatters (`nemo_dcr.runtimes.scatter`); None: the
     # cores this process may use, at most 8; 1: one thread, record after record.
     apply_threads: int | None = None
@@ -393,14 +402,14 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     def apply(self, records: Sequence[Record]) -> UndoLog:
         records = list(records)
         plans = self._prepare(records, applying=True)
-        log = UndoLog()
+        log = UndoLog(digest=digest.StateDigest() if self.track_digest else None)
         try:
             pooled = self._pooled(records, plans)
             for i, record in enumerate(records):
                 if not len(record) or i in pooled:  # an empty record changes nothing
                     continue
                 try:
-                    log.steps.append(self._execute(record, plans[record.name]))
+                    log.steps.append(self._execute(record, plans[record.name], log.digest))
                 except _BadPositions as bad:  # found by the compiled scatter, its own changes taken back
                     raise ApplyError(f"record {i} ({record.name!r}): {bad}") from None
             if pooled:
@@ -657,23 +666,34 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         pool, applied or undone), with its undo step: a hook for adapters that follow up
         on what was written (vLLM re-runs its post-load processing for those layers)."""
 
-    def _execute(self, record: Record, plan: _Plan):
-        """Apply one record; return the step that undoes it. All or nothing."""
-        step = self._write_record(record, plan)
+    def _execute(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None):
+        """Apply one record; return the step that undoes it. All or nothing. `state`: the
+        digest delta the write is added to (none for an undo: the receiver takes a whole
+        log's delta back)."""
+        step = self._write_record(record, plan, state)
         self._wrote(plan, step)
         return step
 
-    def _write_record(self, record: Record, plan: _Plan):
+    def _write_record(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None):
         """`_execute` on this thread, before the `_wrote` hook."""
         if plan.irregular:
-            return self._dense_overwrite(record, plan)
+            return self._dense_overwrite(record, plan, state)
+        moved = None  # how the digest moves: from the old bits read here, or from the scatter
         if Op(record.op) is Op.OVERWRITE:
-            undo = Record(record.name, record.dtype, record.shape, Op.OVERWRITE, record.positions,
-                          self._old_bits(record, plan))
+            old = self._old_bits(record, plan)
+            undo = Record(record.name, record.dtype, record.shape, Op.OVERWRITE, record.positions, old)
+            if state is not None:
+                moved = digest.change_delta(record.name, Op.OVERWRITE, record.positions, record.values, old)
         else:
             undo = _Inverse(record)
+            if state is not None and not self._scatters(plan):
+                old = self._old_bits(record, plan)
+                moved = digest.change_delta(record.name, Op.OVERWRITE, record.positions,
+                                            _new_bits(Op(record.op), old, record.values), old)
         done: list[_Copy] = []
         cache: dict = {}
+        if state is not None and moved is None:
+            cache["sums"] = np.zeros(2, np.uint64)  # the compiled scatter adds its writes' here
         try:
             for copy in plan.copies:
                 self._write(plan, record, copy, cache)
@@ -683,6 +703,8 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             for copy in done:
                 self._write(plan, _undo_record(undo), copy, cache)
             raise
+        if state is not None:
+            state.add(record.name, moved if moved is not None else cache["sums"])
         return undo
 
     def _pooled(self, records: list[Record], plans: dict[str, _Plan]) -> set[int]:
@@ -698,11 +720,14 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     def _apply_pooled(self, work: list[tuple[int, Record, _Plan]], log: UndoLog) -> None:
         """Scatter (index, record, plan) side by side; the applied ones join `log`."""
         jobs = [scatter.Job(*_scatter_arrays(dtypes.bits_of(plan.copies[0].dst.detach()), record),
-                            _SCATTER_OP[Op(record.op)]) for _, record, plan in work]
+                            _SCATTER_OP[Op(record.op)], digest.kernel_keys(record) if log.digest is not None else None)
+                for _, record, plan in work]
         applied = self._scatter_pool().run(jobs)  # each job whole, or (bad positions) none of it
-        for (_, record, plan), ok in zip(work, applied):
+        for (_, record, plan), ok, job in zip(work, applied, jobs):
             if ok:
                 log.steps.append(step := _Inverse(record))
+                if log.digest is not None:
+                    log.digest.add(record.name, job.sums)
                 self._wrote(plan, step)
         bad = next(((i, record) for (i, record, _), ok in zip(work, applied) if not ok), None)
         if bad is not None:
@@ -730,7 +755,12 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         if self._scatters(plan):
             flat, pos, values = _scatter_arrays(bits, record)
             code = {Op.XOR: 0, Op.ADD: 1, Op.OVERWRITE: 2}[op]
-            bad = kernels.scatter_apply(flat, pos, values, code)
+            sums = cache.pop("sums", None)  # taken once: an undo of this record needs none
+            if sums is not None:  # the digest's move summed as the scatter writes
+                bad = digest.scatter_sums(flat, pos, values, code, *digest.kernel_keys(record), sums)
+                cache["sums"] = sums
+            else:
+                bad = kernels.scatter_apply(flat, pos, values, code)
             if bad:
                 if op is Op.OVERWRITE:  # its positions were checked before its old bits were read
                     raise ApplyError(f"{record.name}: {_positions_problem(record)} after the check",
@@ -787,11 +817,14 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             old = bits[torch.unravel_index(pos, plan.shape)]
         return old.cpu().numpy().view(plan.dtype.bits_numpy).copy()
 
-    def _dense_overwrite(self, record: Record, plan: _Plan) -> _Restore:
+    def _dense_overwrite(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None) -> _Restore:
         """Overwrite through a loader that transforms/casts/overlaps: dense, then verified."""
         current = self._current(record, plan, "to overwrite it densely")
         target = current.clone(memory_format=torch.contiguous_format)
         pos = _positions(record, target.device)
+        if state is not None:
+            old = dtypes.bits_of(target).view(-1)[pos].cpu().numpy().view(plan.dtype.bits_numpy)
+            moved = digest.change_delta(record.name, Op.OVERWRITE, record.positions, record.values, old)
         dtypes.bits_of(target).view(-1)[pos] = _torch_bits(record.values, plan.dtype).to(target.device)
         expected = target.clone()  # the loader may modify what it is handed
         mode = self._intercepted_load({record.name: target})
@@ -815,6 +848,8 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         except BaseException:
             restore.restore()
             raise
+        if state is not None:
+            state.add(record.name, moved)
         return restore
 
     def _undo(self, steps: list, plans: dict[str, _Plan] | None = None) -> None:

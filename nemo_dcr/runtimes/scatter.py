@@ -22,11 +22,11 @@ import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from nemo_dcr import kernels
+from nemo_dcr import digest, kernels
 from nemo_dcr.runtimes.base import negated
 
 XOR, ADD = 0, 1  # kernels.scatter_apply's op codes (overwrites stay on the caller's thread)
@@ -38,6 +38,10 @@ class Job:
     positions: np.ndarray  # into `flat`: int64 or uint32, meant to be strictly increasing
     values: np.ndarray  # `flat`'s dtype, one a position
     op: int  # XOR or ADD
+    # (mask, T_0, T_1) of `digest.kernel_keys`: the scatter also sums how the whole-state
+    # digest moves, into `sums` (set by `ScatterPool.run` for a job applied whole)
+    keys: tuple[int, int, int] | None = None
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(2, np.uint64))
 
     def taken_back(self, lo: int, hi: int) -> None:
         """Undo this job's changes lo..hi (applied): xor again, or add the negation."""
@@ -107,7 +111,7 @@ class ScatterPool:
                 good[j] = False  # a seam out of order: no piece of it is dispatched
                 continue
             pieces.extend((j, lo, min(lo + self.piece, n)) for lo in range(0, n, self.piece))
-        results = self._apply(jobs, pieces)
+        results, sums = self._apply(jobs, pieces)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             good = [False] * len(jobs)  # raised: nothing of any job is left applied
@@ -119,12 +123,17 @@ class ScatterPool:
                 jobs[j].taken_back(lo, hi if r == 0 else lo + r - 1)
         if failure is not None:
             raise failure
+        for (j, _, _), piece_sums in zip(pieces, sums):
+            if good[j] and jobs[j].keys is not None:
+                np.add(jobs[j].sums, piece_sums, out=jobs[j].sums)  # wraps mod 2**64, as the lanes do
         return good
 
-    def _apply(self, jobs: list[Job], pieces: list[tuple[int, int, int]]) -> list:
+    def _apply(self, jobs: list[Job], pieces: list[tuple[int, int, int]]) -> tuple[list, np.ndarray]:
         """Per piece: the kernel's result (0, or 1 + the first bad index within it), the
-        exception it raised, or None if it was not run (another piece raised first)."""
+        exception it raised, or None if it was not run (another piece raised first); and
+        per piece, how its writes moved the digest (for jobs with `keys`)."""
         results: list = [None] * len(pieces)
+        sums = np.zeros((len(pieces), 2), np.uint64)  # per piece: its own, so no two threads add to one
         counter = itertools.count()  # next() on it is atomic under the GIL: each piece runs once
         stop = threading.Event()
 
@@ -136,7 +145,11 @@ class ScatterPool:
                 j, lo, hi = pieces[k]
                 job = jobs[j]
                 try:
-                    results[k] = kernels.scatter_apply(job.flat, job.positions[lo:hi], job.values[lo:hi], job.op)
+                    if job.keys is None:
+                        results[k] = kernels.scatter_apply(job.flat, job.positions[lo:hi], job.values[lo:hi], job.op)
+                    else:
+                        results[k] = digest.scatter_sums(job.flat, job.positions[lo:hi], job.values[lo:hi], job.op,
+                                                         *job.keys, sums[k])
                 except BaseException as e:  # noqa: BLE001 - handed to the caller with the rest undone
                     results[k] = e
                     stop.set()
@@ -147,7 +160,7 @@ class ScatterPool:
         helpers = min(self.threads, -(-changes // self.piece)) - 1
         if helpers <= 0:
             work()
-            return results
+            return results, sums
         if self._pool is None:
             # Kept for the runtime's life: idle, the threads wait on a queue.
             self._pool = ThreadPoolExecutor(self.threads - 1, "dcr-apply", initializer=_only_idle_cores)
@@ -155,4 +168,4 @@ class ScatterPool:
         work()
         for f in futures:
             f.result()
-        return results
+        return results, sums
