@@ -111,7 +111,7 @@ def catch_up(receiver, history: History, *, target: int | None = None, log=None)
                       for pid, tid in sorted(manifest(DELTAS, v).items())]
             receiver.uncertain_state = f"catch-up stopped inside the delta of version {v}"
             for _, payload in staged:
-                receiver.runtime.apply([r for r in payload.records if r.name in receiver.held])
+                receiver.apply_records([r for r in payload.records if r.name in receiver.held])
             receiver.serving_version, receiver.uncertain_state = v, None
     except PayloadRejected as e:
         raise HistoryError(f"catch-up to version {target}: {e}") from None
@@ -134,4 +134,4 @@ def _decode(receiver, history, report, kind, version, pid, expected):
 
 def _apply(receiver, history, report, kind, version, pid, expected) -> None:
     payload = _decode(receiver, history, report, kind, version, pid, expected)
-    receiver.runtime.apply([r for r in payload.records if r.name in receiver.held])
+    receiver.apply_records([r for r in payload.records if r.name in receiver.held])

@@ -82,7 +82,8 @@ def cmd_receive(args) -> int:
     transport = registry.transport(args.transport, json.loads(args.transport_config))
     end = transport.receiver(args.id)
     receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True),
-                        history=open_history(args.history, transport))
+                        history=open_history(args.history, transport), rescan=args.rescan,
+                        state_digest=not args.no_state_digest)
     params = sum(p.numel() for p in model.parameters())
     copied = (f", {runtime.privatized_bytes / 1e9:.2f} GB copied out of the checkpoint's memory map"
               if runtime.privatized_bytes else "")
@@ -332,6 +333,12 @@ def main(argv=None) -> int:
     r.add_argument("--apply-threads", type=_positive_int, default=None,
                    help="threads for the pause's in-place apply (default: the cores this process may use, "
                         "at most 8)")
+    r.add_argument("--rescan", action="store_true",
+                   help="read the whole-state digest from the model again at every begin (O(model)), so that "
+                        "bits changed outside refits are caught there")
+    r.add_argument("--no-state-digest", action="store_true",
+                   help="keep no whole-state digest (no proof of the base at begin nor of the state before the "
+                        "commit; saves its O(model) read at start and its cost per change)")
     r.set_defaults(func=cmd_receive)
 
     m = sub.add_parser("make-checkpoint", help="write a small random version-0 HF checkpoint")

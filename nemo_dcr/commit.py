@@ -94,10 +94,20 @@ class Coordinator:
         self.times: dict[str, float] = {}  # seconds of the last transfer's phases (for metrics)
         self.finished_everywhere: list[str] = []
         self.redo: set[str] = set()  # payloads a receiver finished but read back wrong: the next attempt re-sends them
+        # After `begin`: receivers that refused because they do not hold the base (its digest
+        # or version), with their per-tensor digests where they know them.
+        self.resync_needed: dict[str, dict[str, str] | None] = {}
 
-    def new_transfer(self, producers: list[str], *, readback: bool = False) -> TransferInfo:
+    def new_transfer(self, producers: list[str], *, readback: bool = False, base_digest: str = "") -> TransferInfo:
         tid = f"v{self.version}-v{self.version + 1}-{uuid.uuid4().hex[:8]}"
-        return TransferInfo(tid, self.version, self.version + 1, tuple(producers), readback=readback)
+        return TransferInfo(tid, self.version, self.version + 1, tuple(producers), readback=readback,
+                            base_digest=base_digest)
+
+    def new_resync(self, producers: list[str], base_digest: str) -> TransferInfo:
+        """A dense resync of the committed version: every element, as overwrites, for the
+        receivers that do not hold it (the others take none of it)."""
+        tid = f"v{self.version}-resync-{uuid.uuid4().hex[:8]}"
+        return TransferInfo(tid, self.version, self.version, tuple(producers), base_digest=base_digest, resync=True)
 
     def begin(self, info: TransferInfo) -> list[str]:
         """Announce the transfer (or its next attempt); returns problems (empty when
@@ -106,6 +116,7 @@ class Coordinator:
         t = time.perf_counter()
         self.times = {}
         self.finished_everywhere: list[str] = []
+        self.resync_needed = {}
         redo, self.redo = sorted(self.redo) if info.attempt else [], set()
         try:
             self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json(), "redo": redo})
@@ -115,6 +126,8 @@ class Coordinator:
         finally:
             self.times["prepare"] = time.perf_counter() - t
         problems += [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
+        self.resync_needed = {r: m.get("state_digest") for r, m in sorted(replies.items())
+                              if m.get("error") and m.get("resync")}
         if not problems and replies:
             done = [set(m.get("finished") or ()) for m in replies.values()]
             self.finished_everywhere = sorted(set.intersection(*done))
@@ -139,14 +152,19 @@ class Coordinator:
 
     def finish(self, info: TransferInfo, producer_problems: list[str],
                payload_ids: list[str] | None = None, *, final: bool = True,
-               readback: dict[str, dict[str, str]] | None = None) -> Decision:
+               readback: dict[str, dict[str, str]] | None = None, target_digest: str | None = None,
+               payload_digests: dict[str, str] | None = None) -> Decision:
         """Wait for every receiver's apply, then commit jointly, or fail: abort everywhere
         when `final`, else leave receivers as they are for the next attempt (`info.retry()`).
 
         `payload_ids`: every payload of the transfer (over all its attempts); each receiver
         must report having finished exactly these (end to end, whatever the manifests said
         on the way). `readback` (when `info.readback`): every payload's expected post-apply
-        digest per tensor; each receiver's read-back must match it."""
+        digest per tensor; each receiver's read-back must match it. `target_digest`: the
+        producers' whole-state digest of the target version, which every receiver that
+        keeps one must hold after its apply (`payload_digests`, how each payload moves it,
+        names the payloads to re-send when one does not). A resync (`info.resync`) writes
+        no commit record: the version stays, the receivers that took it serve it again."""
         reasons = list(producer_problems)
         replies: dict[str, dict] = {}
         t = time.perf_counter()
@@ -159,7 +177,13 @@ class Coordinator:
         if not reasons and payload_ids is not None:
             want = payload_set_digest(payload_ids)
             reasons += [f"{r}: applied other payloads than the producers sent ({m.get('payloads')} != {want})"
-                        for r, m in sorted(replies.items()) if m.get("payloads") != want]
+                        for r, m in sorted(replies.items()) if m.get("payloads") != want and not m.get("skipped")]
+        if not reasons and target_digest:
+            for rx, m in sorted(replies.items()):
+                why, wrong = state_mismatch(info, target_digest, payload_digests or {}, m)
+                if why:
+                    reasons.append(f"{rx}: {why}")
+                    self.redo.update(wrong)
         if not reasons and info.readback and readback is not None:
             for rx, m in sorted(replies.items()):
                 why, wrong = readback_mismatch(readback, m)
@@ -168,9 +192,9 @@ class Coordinator:
                     self.redo.update(wrong)
         self.times["wait_applied"] = time.perf_counter() - t
         t = time.perf_counter()
-        if not reasons:
+        if not reasons and not info.resync:
             try:
-                self.log.write(info, {"receivers": sorted(replies)})
+                self.log.write(info, {"receivers": sorted(replies), "state_digest": target_digest or None})
             except AlreadyCommitted:
                 reasons.append(f"version {info.target_version} was already committed by another coordinator")
             except TransportError as e:
@@ -236,6 +260,25 @@ def readback_mismatch(expected: dict[str, dict[str, str]], reply: dict) -> tuple
             continue
         wrong.append(pid)
     return why, wrong
+
+
+def state_mismatch(info: TransferInfo, target: str, payload_digests: dict[str, str],
+                   reply: dict) -> tuple[str | None, list[str]]:
+    """Why a receiver's whole-state digest after its apply does not prove it holds the
+    target version (None if it does, or if the receiver keeps no digest: a runtime holding
+    parts of tensors), and the payloads whose move of it differs from the producers'."""
+    if reply.get("skipped") or reply.get("digest_scope", "all") == "none":
+        return None, []
+    got = reply.get("state_digest")
+    if got == target:
+        return None, []
+    version = f"version {info.target_version}" + (" (resync)" if info.resync else "")
+    if got is None:
+        return f"cannot prove it holds {version}: its state digest is unknown", []
+    moved = reply.get("payload_digests") or {}
+    wrong = sorted(p for p, d in payload_digests.items() if p in moved and moved[p] != d)
+    return (f"holds state digest {got} after applying, the producers' {version} is {target}"
+            + (f"; payloads that moved it differently: {wrong[:3]}" if wrong else ""), wrong)
 
 
 def payload_set_digest(payload_ids) -> str:

@@ -29,6 +29,7 @@ from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import check, sign
 from nemo_dcr.catchup import catch_up
 from nemo_dcr.errors import ApplyError, DCRError, PayloadRejected, TransportError
+from nemo_dcr.digest import StateDigest
 from nemo_dcr.history import open_history
 from nemo_dcr.metrics import page_faults
 from nemo_dcr.records import Op, Payload
@@ -48,6 +49,8 @@ class _Lineage:
     finished: dict[str, UndoLog] = field(default_factory=dict)  # ... and completed (in order), with undo logs
     complete: bool = False  # every listed payload finished and 'applied' was answered without error
     readback: dict[str, dict[str, str]] = field(default_factory=dict)  # payload id -> tensor -> post-apply digest
+    moved: dict[str, str | None] = field(default_factory=dict)  # payload id -> how its apply moved the state digest
+    resync: bool = False  # a dense resync of the base version (it ends where it started: base == target)
 
     @property
     def uncertain(self) -> list[str]:
@@ -59,6 +62,7 @@ class _Transfer:
     """One attempt of a lineage."""
 
     info: TransferInfo
+    skip: bool = False  # a resync this receiver does not need: its payloads are acknowledged, not decoded
     staged: dict[str, Payload] = field(default_factory=dict)
     staged_bytes: int = 0
     manifests: dict[str, list[str]] = field(default_factory=dict)
@@ -89,10 +93,21 @@ class Receiver:
         log=None,
         canonical_catalog: dict | None = None,
         history=None,
+        rescan: bool = False,
+        state_digest: bool = True,
     ):
         """`history` (a `nemo_dcr.history.History` or a directory): where to catch up from
-        when a transfer starts from a version this receiver does not serve, or when its
-        bits are uncertain; without one such a transfer is refused, naming the reason."""
+        when a transfer starts from a version this receiver does not serve, when its bits
+        are uncertain, or when its state digest is not the producers'; without one such a
+        transfer is refused, naming the reason, and the producers resync it densely.
+
+        The whole-state digest (`nemo_dcr.digest`) is read from the runtime once here,
+        O(model), then kept up to date by every apply and revert. `rescan`: read it from
+        the runtime again at every begin (O(model) before anything is written), so that
+        bits changed outside refits (memory corruption, a foreign write) are caught there
+        too; `rescan()` does the same on demand (e.g. from an idle serving loop).
+        `state_digest=False` keeps none: no proof of the base at begin nor of the state
+        before the commit (the producers' digests are then not checked here)."""
         self.id, self.runtime, self.end = receiver_id, runtime, end
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
@@ -113,13 +128,78 @@ class Receiver:
         self.log = log or (lambda msg: None)
         self.history = open_history(history)
         self._stopping = threading.Event()
+        # The whole-state digest covers receivers that hold every canonical element; one that
+        # holds parts of tensors or a subset of them cannot be compared with the producers'.
+        self.digest_scope = "all" if self.readback_scope == "all" and state_digest else "none"
+        if hasattr(runtime, "track_digest"):
+            runtime.track_digest = self.digest_scope == "all"
+        self.rescan_at_begin = rescan
+        self.digest_load_s = 0.0
+        self.state: StateDigest | None = None  # None: unknown (or outside the digest's scope)
+        if self.digest_scope == "all":
+            self.rescan()
+        self.resyncs = 0  # dense resyncs this receiver took
 
+    # --- the whole-state digest -------------------------------------------------------
+
+    @property
+    def state_digest(self) -> str | None:
+        """The digest of what this receiver holds (32 hex digits), or None when unknown."""
+        return self.state.hex() if self.state is not None else None
+
+    def rescan(self) -> bool:
+        """Read the whole-state digest from the runtime anew (O(model)); False when it
+        differs from the one kept up to date by the applies (the bits changed outside
+        them: memory corruption, a foreign write), which is logged."""
+        t = time.perf_counter()
+        fresh = self.runtime.state_digest()
+        self.digest_load_s = time.perf_counter() - t
+        same = self.state is None or fresh is None or fresh == self.state
+        if not same:
+            self.log(f"[{self.id}] the bits changed outside refits: state digest {self.state.hex()} kept, "
+                     f"{fresh.hex()} read back (tensors {self.state.differing(fresh, 3)})")
+        self.state = fresh
+        return same
+
+    def apply_records(self, records) -> UndoLog:
+        """`runtime.apply`, with the state digest moved by what it wrote."""
+        undo = self.runtime.apply(records)
+        self._account(undo, 1)
+        return undo
+
+    def revert(self, undo: UndoLog) -> None:
+        """`runtime.revert`, with the state digest moved back."""
+        self.runtime.revert(undo)
+        self._account(undo, -1)
+
+    def _account(self, undo: UndoLog, sign: int) -> None:
+        if self.state is not None:
+            if undo.digest is None:
+                self.state = None  # the adapter cannot tell how its writes moved it
+            else:
+                self.state.merge(undo.digest, sign)
+
+    def _base_problem(self, info: TransferInfo) -> str | None:
+        """Why this receiver does not hold the transfer's base, by its state digest (None
+        when it does, or when the transfer or this receiver carries no digest)."""
+        if self.digest_scope != "all" or not info.base_digest:
+            return None
+        if self.rescan_at_begin:
+            self.rescan()
+        mine = self.state_digest
+        if mine == info.base_digest:
+            return None
+        return (f"receiver {self.id} does not hold version {info.base_version}: its state digest is "
+                f"{mine or 'unknown'}, the producers' is {info.base_digest}")
     def catch_up(self, target: int | None = None):
         """Take this receiver to `target` (default: the newest version in its history);
         call it before `serve_forever` or from the receiver's own thread."""
         if self.history is None:
             raise ValueError(f"receiver {self.id} has no history to catch up from")
-        return catch_up(self, self.history, target=target)
+        report = catch_up(self, self.history, target=target)
+        if self.state is None and self.digest_scope == "all" and report.anchor is not None:
+            self.rescan()  # an anchor overwrote every element: the bits are a known version again
+        return report
 
     # --- event loop -----------------------------------------------------------------
 
@@ -174,6 +254,8 @@ class Receiver:
     def _on_begin(self, info: TransferInfo, redo: list[str] = ()) -> None:
         """`redo`: payloads read back wrong somewhere: finished here, they count as uncertain."""
         self.current = None
+        if info.resync:
+            return self._on_resync(info)
         lin = self.lineage
         if lin is not None and lin.complete and info.base_version == lin.target:
             # A coordinator starts from v+1 only once v+1 is committed: this receiver
@@ -186,13 +268,17 @@ class Receiver:
             lin = None
         error = self._ready_for(info) if lin is None else None
         if error:
-            self._reply("ready", {"transfer_id": info.transfer_id, "error": error})
+            # A receiver that does not hold the base asks the producers for a dense resync.
+            self._reply("ready", {"transfer_id": info.transfer_id, "error": error, "resync": True,
+                                  "state_digest": self.state.to_json() if self.state is not None else None})
             return
         if lin is None:
             lin = self.lineage = _Lineage(info.lineage_id, info.base_version, info.target_version)
-        for pid in redo:
-            if lin.finished.pop(pid, None) is not None:
-                lin.readback.pop(pid, None)
+        redone = [pid for pid in redo if lin.finished.pop(pid, None) is not None]
+        for pid in redone:
+            lin.readback.pop(pid, None)
+        if redone and self.digest_scope == "all":
+            self.rescan()  # its bits were found not to be what it applied: its digest is read back too
         lin.complete = False
         self.current = _Transfer(info)
         self._reply("ready", {"transfer_id": info.transfer_id, "error": None,
@@ -202,16 +288,44 @@ class Receiver:
         """Why a new lineage cannot start here (None when it can), after catching up
         from the history where that helps."""
         if self.history is not None and (self.uncertain_state or info.base_version > self.serving_version):
-            try:
-                self.catch_up(info.base_version)
-            except (DCRError, OSError) as e:
-                self.log(f"[{self.id}] catch-up to version {info.base_version} failed: {e}")
-                return f"receiver {self.id} could not catch up to version {info.base_version}: {e}"
+            problem = self._catch_up_for(info)
+            if problem:
+                return problem
         if self.uncertain_state:
             return f"receiver {self.id} cannot take transfers: {self.uncertain_state}"
         if info.base_version != self.serving_version:
             return f"receiver {self.id} serves version {self.serving_version}, transfer starts from {info.base_version}"
+        problem = self._base_problem(info)
+        if problem and self.history is not None:  # its bits are not the version it serves: from an anchor
+            self.log(f"[{self.id}] {problem}; catching up from an anchor")
+            self.uncertain_state = problem
+            problem = self._catch_up_for(info) or self._base_problem(info)
+        return problem
+
+    def _catch_up_for(self, info: TransferInfo) -> str | None:
+        try:
+            self.catch_up(info.base_version)
+        except (DCRError, OSError) as e:
+            self.log(f"[{self.id}] catch-up to version {info.base_version} failed: {e}")
+            return f"receiver {self.id} could not catch up to version {info.base_version}: {e}"
         return None
+
+    def _on_resync(self, info: TransferInfo) -> None:
+        """A dense resync of version `info.base_version`: taken when this receiver does not
+        hold it (its digest, version or bits say so), acknowledged without decoding otherwise."""
+        lin = self.lineage
+        if lin is not None and lin.complete and info.base_version == lin.target:
+            self._committed(lin)  # applied whole, and only the commit message was missed
+        elif lin is not None:
+            self._unwind(f"superseded by resync {info.transfer_id}")
+        need = (self.uncertain_state or (info.base_version != self.serving_version and "another version")
+                or (self.digest_scope == "all" and self.state_digest != info.base_digest and "another digest"))
+        self.current = _Transfer(info, skip=not need)
+        if need:
+            self.lineage = _Lineage(info.lineage_id, info.base_version, info.target_version, resync=True)
+            self.log(f"[{self.id}] taking resync {info.transfer_id} of version {info.base_version} ({need})")
+        self._reply("ready", {"transfer_id": info.transfer_id, "error": None, "skip": not need,
+                              "finished": [], "uncertain": []})
 
     def _reply(self, kind: str, meta: dict) -> None:
         self.end.reply(kind, sign(self.key, kind, {**meta, "receiver": self.id}))
@@ -223,6 +337,9 @@ class Receiver:
         if cur is None or cur.info.transfer_id != tid:
             self.end.staged(tid, producer, pid, f"receiver {self.id} has no open transfer {tid}")
             return
+        if cur.skip:  # a resync this receiver does not need
+            self.end.staged(tid, producer, pid, None)
+            return self._maybe_apply()
         if pid in cur.staged or pid in lin.finished:
             cur.dropped += pid in lin.finished
             self.end.staged(tid, producer, pid, None)  # duplicate, or finished in an earlier attempt
@@ -274,6 +391,9 @@ class Receiver:
         cur, lin = self.current, self.lineage
         if cur is None or cur.replied or set(cur.manifests) != set(cur.info.producers):
             return
+        if cur.skip:
+            cur.applied = True
+            return self._reply_applied(cur, None)
         listed = {pid for ids in cur.manifests.values() for pid in ids}
         if cur.errors:
             return self._reply_applied(cur, "; ".join(cur.errors[:3]))
@@ -291,12 +411,15 @@ class Receiver:
                     records = [rec for rec in cur.staged.pop(pid).records if rec.name in self.held]
                     lin.started.add(pid)
                     try:
-                        undo = self.runtime.apply(records)
+                        undo = self.apply_records(records)
                     except Exception as e:  # noqa: BLE001 - the adapter decides what its failure left behind
                         if isinstance(e, ApplyError) and not e.bits_unknown:
                             lin.started.discard(pid)  # the adapter put every bit back: not applied, not uncertain
+                        elif self.digest_scope == "all":
+                            self.rescan()  # what it left behind, read back: the retry's overwrites move on from it
                         return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
                     lin.finished[pid] = undo  # the undo log keeps what revert needs
+                    lin.moved[pid] = undo.digest.hex() if undo.digest is not None else None
                     applied.append((pid, records))
         finally:
             cur.apply_s = time.perf_counter() - t
@@ -315,8 +438,12 @@ class Receiver:
 
     def _reply_applied(self, cur: _Transfer, error: str | None) -> None:
         cur.replied = True
+        lin = self.lineage
         self._reply("applied", {
-            "transfer_id": cur.info.transfer_id, "error": error, "stage_s": cur.stage_s,
+            "transfer_id": cur.info.transfer_id, "error": error, "skipped": cur.skip,
+            "digest_scope": self.digest_scope, "state_digest": self.state_digest,
+            "payload_digests": dict(lin.moved) if lin is not None and not cur.skip else {},
+            "stage_s": cur.stage_s,
             "apply_s": cur.apply_s, "total_s": time.perf_counter() - cur.started, "payloads": cur.applied_payloads,
             "dropped": cur.dropped, "page_faults": page_faults() - cur.faults_at_start,
             "cpu_s": time.process_time() - cur.cpu_at_start,
@@ -331,8 +458,12 @@ class Receiver:
             return
         self._committed(self.lineage)
 
-    def _committed(self, lin: _Lineage) -> None:
-        self.serving_version = lin.target
+    def _committed(self, lin: _Lineage | None) -> None:
+        if lin is not None:  # None: a resync this receiver did not need
+            self.serving_version = lin.target
+            if lin.resync:
+                self.uncertain_state = None  # every element overwritten, and its digest checked
+                self.resyncs += 1
         self.lineage = self.current = None
 
     def _on_abort(self, meta: dict) -> None:
@@ -349,7 +480,7 @@ class Receiver:
             return
         try:
             for pid in reversed(list(lin.finished)):
-                self.runtime.revert(lin.finished[pid])
+                self.revert(lin.finished[pid])
         except Exception as e:  # noqa: BLE001 - the bits are unknown now, whatever raised
             self.uncertain_state = f"reverting transfer {lin.id} failed ({type(e).__name__}: {e})"
         self.lineage = None
@@ -361,7 +492,7 @@ class Receiver:
 
     def _on_verify(self, meta: dict) -> None:
         reply = {"transfer_id": meta.get("transfer_id", ""), "version": self.serving_version,
-                 "digests": self.digests()}
+                 "digests": self.digests(), "state_digest": self.state_digest}
         if meta.get("dump_dir"):  # full bits for offline comparison (tests, debugging)
             from safetensors.torch import save_file
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr import codec, dtypes, kernels
+from nemo_dcr import codec, digest, dtypes, kernels
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import DiffOutput, Rows, diff, diff_arrays
 from nemo_dcr.errors import ConverterError
@@ -47,12 +47,16 @@ class ProducerReport:
     # beside the stages' wall-clock times it tells waiting for a core from working
     cpu_s: float = 0.0
     times: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("residual", "diff", "place", "encode", "encode_wait", "send", "flush"), 0.0))
+        ("residual", "diff", "place", "encode", "encode_wait", "send", "flush", "state_digest"), 0.0))
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     payload_ids: list[str] = field(default_factory=list)  # what the manifest lists (sent this attempt)
     all_payload_ids: list[str] = field(default_factory=list)  # ... and those skipped as finished everywhere
     # transfer.readback: per payload id (all of them), each record's expected post-apply digest
     readback: dict[str, dict[str, str]] = field(default_factory=dict)
+    # The whole-state digest of this producer's share at the target version, and how each
+    # payload (all of them) moves it (`nemo_dcr.digest`): receivers' must match.
+    state_digest: str = ""
+    payload_digests: dict[str, str] = field(default_factory=dict)
     error: str | None = None
 
     def to_json(self) -> dict:
@@ -299,6 +303,7 @@ class Producer:
         encode_threads: int = 0,
         wire_version: int = codec.FORMAT_VERSION,
         device_coding: str = "gpu",
+        state_digest: bool = True,
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
@@ -318,6 +323,9 @@ class Producer:
         baseline stages and the payloads' bytes reach the host. "always": the same torch
         code for ranges on the CPU too (slower than the compiled host path; for tests and
         benchmarks). "never": every range's changes are coded on the host.
+        `state_digest`: keep the whole-state digest of this producer's share (read once
+        here, moved by each refit's changes: `nemo_dcr.digest`); `track_state_digest`
+        turns the per-refit part off and on.
         `first_payload_elements`: where the first payload of a refit is cut (default
         max_payload_elements // 16): a small first payload reaches the link after a
         sixteenth of the diffing a full one needs, and the link is the refit's bound."""
@@ -369,6 +377,42 @@ class Producer:
             for i, values in enumerate(self._residual_outputs(rmap, whole)):
                 if rmap.outputs[i].pieces and rmap.key(i) not in baseline.keys():
                     baseline.register(rmap.key(i), values)
+        # The whole-state digest of the committed bits this producer places (its share of the
+        # model's), read once here, then moved by each refit's changes (`settle`).
+        t = time.perf_counter()
+        self.track_state_digest = state_digest
+        self.digest: digest.StateDigest | None = None
+        if state_digest:
+            self.digest = digest.StateDigest()
+            for name, cpos, bits in self._committed_elements():
+                self.digest.add(name, digest.element_sums(name, cpos, bits))
+        self.digest_load_s = time.perf_counter() - t
+        self._target_digest: digest.StateDigest | None = None  # the last refit's, until it settles
+
+    def _committed_elements(self):
+        """(canonical name, positions, committed bits) of every element this producer
+        places, chunk by chunk: what an anchor sends and the share digest sums."""
+        def placed(key: str, amap: AffineMap, offset: int):
+            bits = self.baseline.committed(key)
+            for lo in range(0, bits.numel(), self.chunk):
+                hi = min(lo + self.chunk, bits.numel())
+                values = _unsigned(bits[lo:hi])
+                for name, cpos, src in _placed(amap, np.arange(offset + lo, offset + hi, dtype=np.int64)):
+                    yield name, cpos, values[src]
+
+        for r in self.affine:
+            yield from placed(r.key, self.maps[r.param.name], r.start)
+        for rmap, _ in self.residuals:
+            for i, out in enumerate(rmap.outputs):
+                if out.pieces:
+                    yield from placed(rmap.key(i), out, 0)
+
+    def settle(self, committed: bool) -> None:
+        """After the decision on the last refit: its target digest becomes the share's
+        committed one, or is dropped."""
+        if committed and self._target_digest is not None:
+            self.digest = self._target_digest
+        self._target_digest = None
 
     def _residual_outputs(self, rmap: ResidualMap, whole: torch.Tensor) -> list[torch.Tensor]:
         """Bit views of the residual's canonical outputs, checked against the plan."""
@@ -399,6 +443,21 @@ class Producer:
         # With encode_threads, payloads being encoded elsewhere, in payload order: (id, arena, job, batch).
         in_flight: deque[tuple[str, _Arena, Future, _Batch]] = deque()
         first_cut = self.first_payload_elements or max(1, self.max_payload_elements // 16)
+        moved = digest.StateDigest()  # how this refit's changes move the share's state digest
+        payload_moved = [0, 0]  # ... and how the payload being built moves it
+
+        tracking = self.track_state_digest and self.digest is not None
+
+        def account(name: str, op: Op, cpos, new, values) -> None:
+            """The state digest's move by changes placed at `cpos` (see digest.change_delta)."""
+            if not tracking:
+                return
+            t = time.perf_counter()
+            sums = digest.change_delta(name, op, cpos, new, values)
+            moved.add(name, sums)
+            payload_moved[0] += sums[0]
+            payload_moved[1] += sums[1]
+            rep.times["state_digest"] += time.perf_counter() - t
 
         def full() -> bool:
             """Whether the payload being built is cut now (the first one early: see __init__)."""
@@ -460,6 +519,9 @@ class Producer:
         def emit(last: bool = False):
             pid = f"{self.id}-{len(all_ids):06d}"
             all_ids.append(pid)
+            if tracking:
+                rep.payload_digests[pid] = digest.to_hex(payload_moved)
+            payload_moved[:] = [0, 0]
             if pid in skip and not transfer.readback:
                 builder.clear()
                 return
@@ -514,11 +576,12 @@ class Producer:
                     moved = rows is not None or base != lo  # the positions are not the range's own
                     self.baseline.stage(key, torch.from_numpy(positions), torch.from_numpy(new_bits),
                                         local_of=functools.partial(_range_positions, lo, base, rows) if moved else None)
-                    new = _bits_view(new_bits)
+                    new = new_all = _bits_view(new_bits)
                     if op == AUTO:
                         both = (_bits_view(vals[0]), new)
                     else:
                         values = new if op == Op.OVERWRITE else _bits_view(vals[0])
+                    told = (Op.XOR, _bits_view(vals[0])) if op == Op.OVERWRITE else None
                 else:
                     delta = diff(current[lo:hi], committed[lo:hi])
                     if len(delta) == 0:
@@ -531,22 +594,25 @@ class Producer:
                         changed += len(positions_t)
                         rep.times["diff"] += time.perf_counter() - t
                         t = time.perf_counter()
-                        rep.placed_elements += _place_on_device(builder, amap, positions_t, offset, op, delta)
+                        rep.placed_elements += _place_on_device(builder, amap, positions_t, offset, op, delta, account)
                         rep.times["place"] += time.perf_counter() - t
                         if full():
                             emit()
                         elif in_flight:
                             collect(keep=self.encode_threads)
                         continue
+                    new = new_all = _bits_view(new_h.numpy())
                     if op == AUTO:
-                        both = (_unsigned(delta.add()), _bits_view(new_h.numpy()))
+                        both = (_unsigned(delta.add()), new)
                     else:
                         pick = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: new_h}[op]
                         values = _unsigned(pick())
-                    new = _bits_view(new_h.numpy()) if builder.track_new else None
+                    told = (Op.XOR, _unsigned(delta.xor())) if op == Op.OVERWRITE else None
                     positions = positions_h.numpy()
                 if not builder.track_new:
                     new = None
+                # what tells the old bits, for the state digest: the add, or the xor
+                dop, dvals = (Op.ADD, both[0]) if op == AUTO else told or (op, values)
                 changed += positions.size
                 rep.times["diff"] += time.perf_counter() - t
                 t = time.perf_counter()
@@ -555,6 +621,7 @@ class Producer:
                 for name, cpos, src, increasing in spans:
                     builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src],
                                 None if new is None else new[src], increasing)
+                    account(name, dop, cpos, new_all[src], dvals[src])
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t
                 if full():
@@ -591,6 +658,9 @@ class Producer:
         t = time.perf_counter()
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
+        if tracking:
+            self._target_digest = self.digest.copy().merge(moved)
+            rep.state_digest = self._target_digest.hex()
         rep.page_faults = page_faults() - faults0
         rep.cpu_s = time.thread_time() - cpu0
         rep.payloads = len(payload_ids)
@@ -598,14 +668,14 @@ class Producer:
         rep.all_payload_ids = all_ids
         return rep
 
-    def anchor(self, version: int, put) -> dict[str, str]:
+    def anchor(self, version: int, put, transfer_id: str | None = None) -> dict[str, str]:
         """Every canonical element this producer places, at the committed `version`, as
         overwrite payloads; `put(payload_id, data)` stores each. Returns {payload id:
-        transfer id} (the transfer id is `anchor-v<version>`)."""
-        if self.baseline.version != version or self.baseline.in_flight:
+        transfer id} (the transfer id is `anchor-v<version>`, or `transfer_id`: a resync's)."""
+        if self.baseline.version != version or (self.baseline.in_flight and transfer_id is None):
             raise ValueError(f"anchor of version {version}: the baseline is at {self.baseline.version}"
                              f"{' with a transfer in flight' if self.baseline.in_flight else ''}")
-        tid, builder, ids = f"anchor-v{version}", _PayloadBuilder(arena=self._arena), {}
+        tid, builder, ids = transfer_id or f"anchor-v{version}", _PayloadBuilder(arena=self._arena), {}
 
         def emit():
             pid = f"{self.id}-{len(ids):06d}"
@@ -614,25 +684,34 @@ class Producer:
                                   version=self.wire_version))
             ids[pid] = tid
 
-        def place_all(key: str, amap: AffineMap, offset: int) -> None:
-            bits = self.baseline.committed(key)
-            for lo in range(0, bits.numel(), self.chunk):
-                hi = min(lo + self.chunk, bits.numel())
-                values = _unsigned(bits[lo:hi])
-                for name, cpos, src in _placed(amap, np.arange(offset + lo, offset + hi, dtype=np.int64)):
-                    builder.add(name, Op.OVERWRITE, cpos, values[src])
-                if builder.elements >= self.max_payload_elements:
-                    emit()
-
-        for r in self.affine:
-            place_all(r.key, self.maps[r.param.name], r.start)
-        for rmap, _ in self.residuals:
-            for i, out in enumerate(rmap.outputs):
-                if out.pieces:
-                    place_all(rmap.key(i), out, 0)
+        for name, cpos, values in self._committed_elements():
+            builder.add(name, Op.OVERWRITE, cpos, values)
+            if builder.elements >= self.max_payload_elements:
+                emit()
         if builder.elements or not ids:
             emit()
         return ids
+
+    def resync(self, transfer: TransferInfo) -> ProducerReport:
+        """A dense resync (`transfer.resync`): every element this producer places, at the
+        committed version, sent as overwrites; receivers that hold it take none of it."""
+        rep = ProducerReport(self.id)
+        t0 = time.perf_counter()
+
+        def send(pid: str, data: bytes) -> None:
+            t = time.perf_counter()
+            self.end.send(transfer, pid, data)
+            rep.times["send"] += time.perf_counter() - t
+            rep.wire_bytes += len(data)
+
+        ids = list(self.anchor(transfer.base_version, send, transfer.transfer_id))
+        rep.times["encode"] = time.perf_counter() - t0 - rep.times["send"]
+        t = time.perf_counter()
+        rep.rejected = self.end.flush(transfer, ids)
+        rep.times["flush"] = time.perf_counter() - t
+        rep.payloads, rep.payload_ids, rep.all_payload_ids = len(ids), ids, list(ids)
+        rep.state_digest = self.digest.hex() if self.digest is not None else ""
+        return rep
 
 
 def _run_now(fn, *args) -> Future:
@@ -646,14 +725,17 @@ def _run_now(fn, *args) -> Future:
 
 
 def _place_on_device(builder: _PayloadBuilder, amap: AffineMap, positions: torch.Tensor, offset: int,
-                     op: Op | str, delta) -> int:
+                     op: Op | str, delta, account) -> int:
     """Place a chunk's changes (`diff.Delta`, positions range-relative + chunk start, on
     their device) through `amap` (local index = offset + position) into the builder as
-    tensors, values and all, where they are. Returns the elements placed."""
+    tensors, values and all, where they are; `account(name, op, positions, new, values)`
+    is told of each (the state digest, computed there too). Returns the elements placed."""
     if op == AUTO:
         values = (delta.add(), delta.new)
     else:
         values = {Op.XOR: delta.xor, Op.ADD: delta.add, Op.OVERWRITE: lambda: delta.new}[op]()
+    # what tells the old bits, for the state digest: the add, or the xor
+    dop, dvals = (Op.ADD, values[0]) if op == AUTO else (Op.XOR, delta.xor()) if op == Op.OVERWRITE else (op, values)
     new = delta.new if builder.track_new else None
     spans = amap.place_spans(positions, offset)
     groups: dict[str, list] = {}
@@ -671,6 +753,7 @@ def _place_on_device(builder: _PayloadBuilder, amap: AffineMap, positions: torch
             cpos, src, increasing = cpos[order], src[order], True
         vals = (values[0][src], values[1][src]) if op == AUTO else values[src]
         builder.add(name, op, cpos, vals, None if new is None else new[src], increasing)
+        account(name, dop, cpos, delta.new[src], dvals[src])
         placed += len(cpos)
     return placed
 
@@ -735,7 +818,8 @@ class _Slots:
 # diff_arrays values per operation: what the records carry (overwrite: the new bits)
 # op "auto": the add values (what the choice keeps in practice: +-1 ULP steps and AdamW
 # deltas alike) and the new bits, from which the rarer xor records are computed.
-_DIFF_VALUES = {Op.XOR: ("xor",), Op.ADD: ("add",), Op.OVERWRITE: (), AUTO: ("add",)}
+# overwrite: the xor too, for the state digest (old = new ^ xor; the record carries the new bits)
+_DIFF_VALUES = {Op.XOR: ("xor",), Op.ADD: ("add",), Op.OVERWRITE: ("xor",), AUTO: ("add",)}
 # Elements per diff chunk on a GPU: each chunk costs a few synchronising copies (nonzero,
 # then the changes to the host), so chunks are larger there; a chunk's mask is one byte
 # per element, small beside the weights.

@@ -21,6 +21,7 @@ from nemo_dcr.baseline import Baseline, fingerprint
 from nemo_dcr.codec import FORMAT_VERSION
 from nemo_dcr.commit import Coordinator, Decision
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
+from nemo_dcr.digest import StateDigest, add_hex
 from nemo_dcr.errors import ConverterError, TransferFailed
 from nemo_dcr.history import ANCHORS, DELTAS, open_history
 from nemo_dcr.layout import OwnedRange, ParallelLayout
@@ -39,6 +40,9 @@ class RefitResult:
     coordinator_times: dict = field(default_factory=dict)  # prepare / wait_applied / commit (rank 0)
     failed_before: int = 0  # transfers that failed since the previous commit (this one recovered them)
     attempts: int = 1  # attempts this transfer took (the ones after the first were in-place retries)
+    base_digest: str = ""  # the whole-state digest of the version the transfer started from
+    resynced: list[str] = field(default_factory=list)  # receivers densely resynced before it (wrong base)
+    resync_s: float = 0.0
 
     @property
     def scanned_elements(self) -> int:
@@ -55,6 +59,13 @@ class RefitResult:
     @property
     def wire_bytes(self) -> int:
         return sum(p["wire_bytes"] for p in self.producers)
+
+    @property
+    def state_digest(self) -> str:
+        """The whole-state digest of the version served now (the target's when committed)."""
+        if not self.decision.committed or not self.base_digest:
+            return self.base_digest
+        return add_hex(p["state_digest"] for p in self.producers)
 
     @property
     def change_rate(self) -> float:
@@ -106,6 +117,16 @@ class RefitResult:
             "receiver_page_faults": max((r.get("page_faults", 0) for r in applied), default=0),
             "receiver_readback_s": max((r.get("readback_s", 0.0) for r in applied), default=0.0),
             "producer_digest_s": max((p["times"].get("digest", 0.0) for p in self.producers), default=0.0),
+            # The proof of the refit (nemo_dcr.digest): every receiver that keeps a whole-state
+            # digest held base_state_digest at begin and state_digest before the commit.
+            "base_state_digest": self.base_digest,
+            "state_digest": self.state_digest,
+            "producer_state_digest_s": max((p["times"].get("state_digest", 0.0) for p in self.producers),
+                                           default=0.0),
+            "digest_checked_receivers": sum(1 for r in applied if r.get("digest_scope", "all") == "all"
+                                            and r.get("state_digest")),
+            "resynced_receivers": len(self.resynced),
+            "resync_s": self.resync_s,
             **{f"coordinator_{k}_s": v for k, v in sorted(self.coordinator_times.items())},
         }
 
@@ -139,6 +160,12 @@ class TrainerRefit:
     `readback`: receivers read every applied region back through their runtime and the
     commit waits until each one's digests match what the producers sent (else the attempt
     fails and is retried with overwrites); costs are in the metrics (readback, digest).
+
+    `state_digest` (default on): the producers keep the whole-state digest of their shares
+    (`nemo_dcr.digest`); each transfer names the base's, which receivers check at begin
+    (a receiver that does not hold it is resynced densely first), and the commit waits
+    until every receiver holds the target's. Off: neither check (receivers that keep a
+    digest then check nothing).
     """
 
     def __init__(
@@ -165,6 +192,7 @@ class TrainerRefit:
         anchor_every: int = 0,
         keep_anchors: int = 2,
         readback: bool = False,
+        state_digest: bool = True,
     ):
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
@@ -214,11 +242,17 @@ class TrainerRefit:
         try:  # computes the residual baselines: a residual that cannot run fails every rank, not one
             self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
                                      op=op, key=key, max_payload_elements=max_payload_elements, params=params,
-                                     encode_threads=encode_threads, wire_version=wire_version)
+                                     encode_threads=encode_threads, wire_version=wire_version,
+                                     state_digest=state_digest)
         except (ConverterError, ValueError, KeyError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)
         self.baseline.seal()
+        # The model's whole-state digest, from the producers' disjoint shares (rank 0 keeps it).
+        mine = self.producer.digest.hex() if self.producer.digest is not None else ""
+        shares = gather_json([mine, self.producer.digest_load_s])
+        self.state_digest = (add_hex(d for d, _ in shares) if state_digest else "") if self.rank == 0 else None
+        self.digest_load_s = max(t for _, t in shares) if self.rank == 0 else 0.0  # the slowest rank's
         if self.history is not None:
             self.producer.keep_sent = True
             has_anchor = bool(self.history.versions(ANCHORS)) if self.rank == 0 else None
@@ -257,16 +291,15 @@ class TrainerRefit:
         Raises TransferFailed (on every rank) when the transfer did not commit.
         """
         t0 = time.perf_counter()
-        info = self.coordinator.new_transfer(self.producer_ids, readback=self.readback) if self.rank == 0 else None
+        info = (self.coordinator.new_transfer(self.producer_ids, readback=self.readback, base_digest=self.state_digest)
+                if self.rank == 0 else None)
         times: dict[str, float] = {}
         reports: list[dict] = []
+        resynced: list[str] = []
+        self._resync_s = 0.0
         for attempt in range(self.max_attempts):
             final = attempt == self.max_attempts - 1
-            problems, skip = [], []
-            if self.rank == 0:
-                problems = self.coordinator.begin(info)
-                skip = self.coordinator.finished_everywhere
-            go = bcast_json({"transfer": info.to_json() if info else None, "problems": problems, "skip": skip})
+            go = self._begin(info, resynced)
             info = self.transfer = TransferInfo.from_json(go["transfer"])
             if go["problems"]:
                 decision = Decision(info.transfer_id, False, self.baseline.version, go["problems"])
@@ -281,7 +314,7 @@ class TrainerRefit:
                      + "; ".join(decision.reasons)[:500])
             if self.rank == 0:
                 info = info.retry()
-        decision = self._decide(info, decision)
+        decision = self._decide(info, decision, reports)
         if self.history is not None:
             t = time.perf_counter()
             self._store_delta(decision.version)
@@ -290,7 +323,69 @@ class TrainerRefit:
             times["history"] = time.perf_counter() - t
         failed, self.failed_since_commit = self.failed_since_commit, 0
         return RefitResult(decision, info, reports or [], time.perf_counter() - t0, self.dense_bytes, times, failed,
-                           attempts=info.attempt + 1)
+                           attempts=info.attempt + 1, base_digest=info.base_digest, resynced=resynced,
+                           resync_s=self._resync_s)
+
+    def _begin(self, info: TransferInfo | None, resynced: list[str]) -> dict:
+        """Announce an attempt on every rank; when the only problems are receivers that do
+        not hold its base (by state digest, version or uncertain bits), resync them densely
+        first (once a refit) and announce it again. Returns rank 0's word: the transfer,
+        the problems, the payloads finished everywhere."""
+        while True:
+            problems, skip, resync = [], [], []
+            if self.rank == 0:
+                problems = self.coordinator.begin(info)
+                skip = self.coordinator.finished_everywhere
+                need = self.coordinator.resync_needed
+                if need and len(need) == len(problems) and not resynced:
+                    resync = sorted(need)
+            go = bcast_json({"transfer": info.to_json() if info else None, "problems": problems, "skip": skip,
+                             "resync": resync})
+            if not go["resync"]:
+                return go
+            resynced.extend(go["resync"])
+            self._resync(go["resync"])
+
+    def _resync(self, receivers: list[str]) -> None:
+        """Collective: every producer sends its share of the committed version as overwrites
+        to the receivers that do not hold it (`Producer.resync`); rank 0 first logs which
+        tensors differ, where a receiver said what it holds."""
+        t = time.perf_counter()
+        shares = gather_json((self.producer.digest or StateDigest()).to_json())
+        if self.rank == 0:
+            ours = StateDigest()
+            for share in shares:
+                ours.merge(StateDigest.from_json(share))
+            for rx in receivers:
+                theirs = self.coordinator.resync_needed.get(rx)
+                where = (f"; tensors that differ: {StateDigest.from_json(theirs).differing(ours)}"
+                         if isinstance(theirs, dict) else "")
+                self.log(f"refit: receiver {rx} does not hold version {self.baseline.version} "
+                         f"(state digest {self.state_digest}){where}: resyncing it from the producers' shares")
+        rinfo = self.coordinator.new_resync(self.producer_ids, self.state_digest) if self.rank == 0 else None
+        go = bcast_json({"transfer": rinfo.to_json() if rinfo else None,
+                         "problems": self.coordinator.begin(rinfo) if self.rank == 0 else []})
+        rinfo = TransferInfo.from_json(go["transfer"])
+        if go["problems"]:
+            if self.rank == 0:
+                self.coordinator.abort(rinfo, "; ".join(go["problems"]))
+                self.log(f"refit: resync {rinfo.transfer_id} could not start: " + "; ".join(go["problems"])[:500])
+            return
+        try:
+            report = self.producer.resync(rinfo)
+        except Exception as e:  # noqa: BLE001 - any producer failure fails the resync
+            report = ProducerReport(self.producer.id, error=f"{type(e).__name__}: {e}")
+        reports = gather_json(report.to_json())
+        if self.rank == 0:
+            bad = [f"producer {r['producer_id']}: {r['error']}" for r in reports if r["error"]]
+            bad += [f"{rx} rejected {pid}: {why}" for r in reports for rx, d in r["rejected"].items()
+                    for pid, why in d.items()]
+            decision = self.coordinator.finish(rinfo, bad, payload_ids=[p for r in reports for p in r["payload_ids"]],
+                                               target_digest=self.state_digest)
+            self.log(f"refit: resync {rinfo.transfer_id} " + ("done" if decision.committed else
+                     "failed: " + "; ".join(decision.reasons)[:500]))
+        dist.barrier()
+        self._resync_s += time.perf_counter() - t
 
     # --- history (catch-up for receivers), after the commit -----------------------------
 
@@ -347,13 +442,18 @@ class TrainerRefit:
                     for pid, why in d.items()]
             every = [pid for r in reports for pid in r.get("all_payload_ids", [])]
             readback = {pid: d for r in reports for pid, d in r.get("readback", {}).items()}
-            decision = self.coordinator.finish(info, bad, payload_ids=every, final=final,
-                                               readback=readback if info.readback else None)
+            decision = self.coordinator.finish(
+                info, bad, payload_ids=every, final=final, readback=readback if info.readback else None,
+                target_digest=None if bad or not info.base_digest else add_hex(r["state_digest"] for r in reports),
+                payload_digests={pid: d for r in reports for pid, d in r["payload_digests"].items()})
         return Decision(**bcast_json(decision.to_json() if decision else None)), reports or []
 
-    def _decide(self, info: TransferInfo, decision: Decision) -> Decision:
+    def _decide(self, info: TransferInfo, decision: Decision, reports: list[dict]) -> Decision:
+        self.producer.settle(decision.committed)
         if decision.committed:
             self.baseline.commit()
+            if self.rank == 0 and self.state_digest:
+                self.state_digest = add_hex(r["state_digest"] for r in reports)
         else:
             self.baseline.abort()
             self.failed_since_commit += 1

@@ -31,6 +31,12 @@ class TransferInfo:
     attempt: int = 0
     lineage: str = ""  # "" on the first attempt: its own transfer id
     readback: bool = False  # receivers read applied regions back; their digests are checked before the commit
+    # The producers' whole-state digest of base_version (`nemo_dcr.digest`, 32 hex digits):
+    # a receiver whose own digest differs refuses the transfer before writing anything.
+    base_digest: str = ""
+    # A dense resync (base_version == target_version): the producers send every element they
+    # own as overwrites; receivers whose state matches base_digest take none of it.
+    resync: bool = False
 
     @property
     def lineage_id(self) -> str:
@@ -41,7 +47,7 @@ class TransferInfo:
         earlier attempt is ever taken for one of this one)."""
         n = self.attempt + 1
         return TransferInfo(f"{self.lineage_id}-r{n}", self.base_version, self.target_version, self.producers,
-                            n, self.lineage_id, self.readback)
+                            n, self.lineage_id, self.readback, self.base_digest, self.resync)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -50,7 +56,7 @@ class TransferInfo:
     def from_json(cls, d: dict) -> "TransferInfo":
         return cls(str(d["transfer_id"]), int(d["base_version"]), int(d["target_version"]),
                    tuple(str(p) for p in d["producers"]), int(d.get("attempt", 0)), str(d.get("lineage", "")),
-                   bool(d.get("readback", False)))
+                   bool(d.get("readback", False)), str(d.get("base_digest", "")), bool(d.get("resync", False)))
 
 
 @dataclass

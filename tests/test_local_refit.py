@@ -40,10 +40,13 @@ class Setup:
     """A trainer (HF model + AdamW in BF16) and receivers on threads, over the local transport."""
 
     def __init__(self, checkpoint, tmp_path, n_receivers=2, op=Op.XOR, key=None, receiver_key=None,
-                 timeout_s=20, runtime_wrapper=None, max_attempts=3, refit_kw=None, receiver_kw=None, device="cpu"):
+                 timeout_s=20, runtime_wrapper=None, max_attempts=3, refit_kw=None, receiver_kw=None, device="cpu",
+                 receiver_checkpoints=None, trainer_setup=None):
         """`runtime_wrapper(receiver_id, runtime)`: what the receiver applies through
         (fault injection); `max_attempts`: the trainer's tries per transfer; `device`: where
-        the trainer's and the receivers' models live."""
+        the trainer's and the receivers' models live; `receiver_checkpoints`: receiver id ->
+        the checkpoint its model is loaded from (default: the trainer's); `trainer_setup(model)`:
+        called on the trainer's model before its optimizer is made."""
         self.device = device
         self.ids = [f"rx{i}" for i in range(n_receivers)]
         self.transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": timeout_s},
@@ -51,7 +54,8 @@ class Setup:
         self.receivers, self.threads = [], []
         wrap = runtime_wrapper or (lambda rx, runtime: runtime)
         for rx in self.ids:
-            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
+            model = AutoModelForCausalLM.from_pretrained((receiver_checkpoints or {}).get(rx, checkpoint),
+                                                         dtype=torch.bfloat16).to(device)
             r = Receiver(rx, wrap(rx, HFRuntime(model, checkpoint_dir=checkpoint)), self.transport.receiver(rx),
                          key=receiver_key if receiver_key is not None else key, **(receiver_kw or {}))
             self.receivers.append(r)
@@ -59,7 +63,9 @@ class Setup:
             t.start()
             self.threads.append(t)
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        if trainer_setup is not None:
+            trainer_setup(self.model)
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-3)
         self.refit = TrainerRefit(registry.converter("identity", self.model.config), read_specs(checkpoint),
                                   torch_owned_ranges(self.model), ParallelLayout(), self.transport,
                                   state_dir=str(tmp_path / "state"), op=op, key=key,
@@ -154,15 +160,15 @@ def test_rejected_payload_aborts_and_leaves_everything_at_base(checkpoint, tmp_p
 def test_failed_transfer_is_resent_against_the_committed_baseline(checkpoint, tmp_path):
     """After an aborted transfer the next delta is taken against version v (not the
     pre-step bits), so receivers still end bit-exact."""
-    s = Setup(checkpoint, tmp_path, n_receivers=1)
+    s = Setup(checkpoint, tmp_path, n_receivers=1, max_attempts=1)
     try:
         s.step()
-        s.receivers[0].serving_version = 7  # the receiver now refuses to begin from v0
-        with pytest.raises(TransferFailed, match="serves version 7"):
+        limit, s.receivers[0].max_staged_bytes = s.receivers[0].max_staged_bytes, 1  # every payload is refused
+        with pytest.raises(TransferFailed, match="max_staged_bytes"):
             s.refit.refit()
-        with pytest.raises(TransferFailed, match="serves version 7"):
+        with pytest.raises(TransferFailed, match="max_staged_bytes"):
             s.refit.refit()
-        s.receivers[0].serving_version = 0
+        s.receivers[0].max_staged_bytes = limit
         s.step()
         result = s.refit.refit()
         assert result.decision.committed and result.decision.version == 1

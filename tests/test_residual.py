@@ -276,10 +276,10 @@ def test_zero_centered_norms_refit_bit_exact_as_overwrites(checkpoint, tmp_path)
         # An aborted transfer leaves the residual baseline at the committed version...
         step()
         before = {k: refit.baseline.committed(k).clone() for k in residual_keys}
-        receiver.serving_version = 7  # refuses to begin from version 0
-        with pytest.raises(TransferFailed, match="serves version 7"):
+        limit, receiver.max_staged_bytes = receiver.max_staged_bytes, 1  # refuses every payload
+        with pytest.raises(TransferFailed, match="max_staged_bytes"):
             refit.refit()
-        receiver.serving_version = 0
+        receiver.max_staged_bytes = limit
         assert all(torch.equal(refit.baseline.committed(k), v) for k, v in before.items())
         # ...so the next transfers still bring the receiver to the trainer's 1 + w, bit for bit.
         residual_sent = 0
