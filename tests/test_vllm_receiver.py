@@ -50,13 +50,13 @@ pytestmark = [pytest.mark.usefixtures("single_rank_group"), pytest.mark.timeout(
 class VLLMWorker:
     """One vLLM `LLM` in a subprocess of the vLLM venv, driven by JSON lines."""
 
-    def __init__(self, model: Path, log: Path, ext: str):
+    def __init__(self, model: Path, log: Path, ext: str, load_format: str = "auto"):
         env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
         self.log = log
         self.proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "tests.workers.vllm_worker", "--model", str(model),
-                                      "--ext", ext], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                                      "--ext", ext, "--load-format", load_format], cwd=ROOT, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
         self.ready = None
 
@@ -311,3 +311,43 @@ def test_a_missing_checkpoint_is_refused(versions, workers, tmp_path):
     err = rx.rpc("dcr_test_try_runtime", str(tmp_path))
     assert "cannot read the catalog" in err
 
+
+
+def test_engine_on_dummy_weights_is_caught_and_resynced(versions, workers, tmp_path):
+    """An engine started with load_format="dummy" (how NeMo RL starts its rollout engines)
+    holds no version: its first refit finds its state digest wrong at begin, resyncs it
+    densely from the producers' share, then applies the delta; it ends with the bits and
+    greedy tokens of a fresh load of the same version."""
+    _, fresh = workers
+    root, shapes, v = versions["root"], versions["shapes"], versions["bits"]
+    rx = VLLMWorker(root / "v0", root / "dummy.log", "nemo_dcr.runtimes.vllm.DCRWorkerExtension",
+                    load_format="dummy")
+    model = transformers.Qwen3ForCausalLM.from_pretrained(root / "v0", dtype=torch.bfloat16)
+    transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 60}, receivers=["rxd"])
+    refit = None
+    try:
+        rx.ready = rx.read("start-up")
+        started = rx.rpc("dcr_start", str(root / "v0"), "local", {"dir": str(tmp_path / "shm"), "timeout_s": 60},
+                         "rxd")
+        assert started["holds_checkpoint"] is False
+        refit = TrainerRefit(registry.converter("identity", model.config), read_specs(root / "v0"),
+                             torch_owned_ranges(model), ParallelLayout(), transport, state_dir=str(tmp_path / "state"),
+                             max_payload_elements=4000, timeout_s=60)
+        assert started["state_digest"] != refit.state_digest  # v0's, which the engine does not hold
+        with torch.no_grad():
+            for name, t in _state(v[3], shapes).items():
+                model.get_parameter(name).copy_(t)
+        rx.send(op="rpc", method="dcr_serve", args=[1, 300], kwargs={})
+        result = refit.refit()
+        (served,) = rx.read("dcr_serve")
+        assert result.decision.committed and served["version"] == 1
+        assert result.resynced == ["rxd"] and result.metrics()["digest_checked_receivers"] == 1
+        assert compare_digests(_digests(v[3], shapes), rx.rpc("dcr_digests")) == []
+        want = fresh.rpc("dcr_loader_digests", str(versions["export"]))
+        assert compare_digests(want, rx.rpc("dcr_loader_digests")) == []
+        assert [rx.generate(p) for p in PROMPTS] == [fresh.generate(p) for p in PROMPTS]
+    finally:
+        if refit is not None:
+            refit.close(shutdown_receivers=False)
+        transport.cleanup()
+        rx.close()

@@ -75,13 +75,20 @@ class VLLMRuntime(NativeLoaderAdapter):
 
     checkpoint_dir: the version-0 canonical checkpoint the model was loaded from; its
     safetensors headers are the catalog, less the tensors vLLM's loader skips (tied
-    aliases: see `ignored`). The model must hold version 0 when the adapter is built.
-    full_coverage: the loader must consume every element of a tensor it loads; False
-    for tensor parallelism, where each worker loads its own slice.
+    aliases: see `ignored`). full_coverage: the loader must consume every element of a
+    tensor it loads; False for tensor parallelism, where each worker loads its own slice.
+    holds_checkpoint: the model was loaded from `checkpoint_dir` (True), or holds other
+    bits (False: an engine started with `load_format="dummy"`, as NeMo RL starts its
+    rollout engines). Layers whose serving format differs from the loader's keep a
+    loader-format copy the adapter writes into; with the checkpoint it is filled from
+    there, else with zeros, so that it never claims bits the engine does not serve: the
+    whole-state digest then differs from any version's, and the receiver's first begin
+    asks for a dense resync, which overwrites every element and re-processes every layer.
     """
 
     def __init__(self, model: torch.nn.Module, checkpoint_dir: str | os.PathLike, *,
-                 full_coverage: bool = True, scratch_device: str | torch.device | None = None):
+                 full_coverage: bool = True, scratch_device: str | torch.device | None = None,
+                 holds_checkpoint: bool = True):
         self.model = model
         self.full_coverage = full_coverage
         first = next(model.parameters(), None)
@@ -99,8 +106,13 @@ class VLLMRuntime(NativeLoaderAdapter):
         self._kept: dict[torch.nn.Module, dict[str, torch.nn.Parameter]] = {}
         self._owner: dict[int, torch.nn.Module] = {}  # storage -> layer that processes it
         self._build_kept()
-        if self._kept:
+        if self._kept and holds_checkpoint:
             self._fill_kept(checkpoint_dir)
+        else:
+            with torch.no_grad():
+                for params in self._kept.values():
+                    for p in params.values():
+                        p.zero_()
         self._probe_catalog()
 
     # -- set-up -------------------------------------------------------------------
@@ -224,6 +236,9 @@ class VLLMRuntime(NativeLoaderAdapter):
         that (live) tensor; any other is assembled from its destinations. Under tensor
         parallelism the elements this worker does not hold are zero.
         """
+        return {name: self._assembled(plan) for name, plan in self._readback_plans().items()}
+
+    def _readback_plans(self) -> dict:
         if self._readback is None:  # geometry only: try scratch on the meta device first
             device, self.scratch_device = self.scratch_device, "meta"
             try:
@@ -233,22 +248,22 @@ class VLLMRuntime(NativeLoaderAdapter):
             finally:
                 self.scratch_device = device
             self._readback = plans if plans is not None else self._plan(set(self._catalog))
-        out = {}
-        for name, plan in self._readback.items():
-            if plan.identity:
-                out[name] = plan.copies[0].dst
-                continue
-            t = torch.zeros(plan.shape, dtype=plan.dtype.torch_dtype, device=plan.copies[0].dst.device)
-            flat = t.view(-1)
-            for c in plan.copies:
-                if c.src == _View((), (), 0):
-                    raise ApplyError(f"{name}: the loader transforms it; it cannot be read back")
-                flat.as_strided(c.src.size, c.src.stride, c.src.offset).copy_(c.dst.detach())
-            out[name] = t
-        return out
+        return self._readback
+
+    @staticmethod
+    def _assembled(plan) -> torch.Tensor:
+        if plan.identity:
+            return plan.copies[0].dst
+        t = torch.zeros(plan.shape, dtype=plan.dtype.torch_dtype, device=plan.copies[0].dst.device)
+        flat = t.view(-1)
+        for c in plan.copies:
+            if c.src == _View((), (), 0):
+                raise ApplyError(f"{plan.name}: the loader transforms it; it cannot be read back")
+            flat.as_strided(c.src.size, c.src.stride, c.src.offset).copy_(c.dst.detach())
+        return t
 
     def _canonical_tensor(self, name: str) -> torch.Tensor:
-        return self.canonical_state()[name]
+        return self._assembled(self._readback_plans()[name])  # this tensor alone, not the whole state
 
     # -- apply / revert, then vLLM's own post-load processing ------------------------
     def _wrote(self, plan, step) -> None:
@@ -355,9 +370,12 @@ class DCRWorkerExtension:
         return self.model_runner.get_model()
 
     def dcr_start(self, checkpoint_dir: str, transport: str, transport_config: dict, receiver_id: str,
-                  key_env: str | None = None, version: int = 0, history: str | None = None) -> dict:
+                  key_env: str | None = None, version: int = 0, history: str | None = None,
+                  holds_checkpoint: bool | None = None) -> dict:
         """Build the adapter on this worker's model and open a receiver end (`history`: a
-        directory or "s3" to catch up from when behind or uncertain)."""
+        directory or "s3" to catch up from when behind or uncertain). `holds_checkpoint`:
+        whether the engine loaded `checkpoint_dir` (default: unless its load format is
+        "dummy"); one that did not is resynced densely by its first refit."""
         from nemo_dcr import registry
         from nemo_dcr.history import open_history
         from nemo_dcr.receiver import Receiver
@@ -372,7 +390,11 @@ class DCRWorkerExtension:
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1) if hasattr(
             self, "parallel_config") else 1
         rank = int(getattr(self, "rank", 0) or 0)
-        runtime = VLLMRuntime(self._dcr_model(), checkpoint_dir, full_coverage=tp == 1)
+        if holds_checkpoint is None:  # an engine started on dummy weights holds no version
+            load_format = getattr(getattr(getattr(self, "vllm_config", None), "load_config", None), "load_format", None)
+            holds_checkpoint = str(getattr(load_format, "value", load_format)) != "dummy"
+        runtime = VLLMRuntime(self._dcr_model(), checkpoint_dir, full_coverage=tp == 1,
+                              holds_checkpoint=holds_checkpoint)
         rid = receiver_id if tp == 1 else f"{receiver_id}-tp{rank}"
         key = None
         if key_env:
@@ -386,6 +408,7 @@ class DCRWorkerExtension:
         return {"receiver_id": rid, "catalog": len(runtime.catalog()), "ignored": dict(runtime.ignored),
                 "kept_loader_format": sorted(f"{type(m).__name__}.{n}" for m, ps in runtime._kept.items()
                                              for n in ps),
+                "holds_checkpoint": holds_checkpoint, "state_digest": self._dcr_receiver.state_digest,
                 "setup_s": time.perf_counter() - t}
 
     def dcr_serve(self, until_version: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.02) -> dict:
