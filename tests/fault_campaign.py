@@ -16,7 +16,12 @@ transfer must fail closed; the receiver, its bits unknown, catches up from the h
 the next begin), a receiver killed mid-apply (`crash`), a bit flipped after a successful
 apply (`silent`), a payload dropped,
 duplicated, reordered or corrupted on the wire, a relay node killed and restarted
-(`kill_relay`), S3 5xx replies and stalls through the proxy (`s3_5xx`, `s3_timeout`).
+(`kill_relay`), S3 5xx replies and stalls through the proxy (`s3_5xx`, `s3_timeout`); and
+receivers that do not hold the base the producers diff against: one restarted from another
+checkpoint of the same shapes (`wrong_base`) or with random weights (`dummy`, as an engine
+loaded with dummy weights), and one whose bits flipped in memory between refits
+(`bitflip`). Receivers rescan their whole-state digest at every begin, so each of these is
+caught there and repaired before anything is written.
 
 Outcomes: converged (committed, every receiver bit-exact against the trainer's dense
 state), failed closed (TransferFailed with a reason; every receiver still at the committed
@@ -43,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from nemo_dcr import registry
+from nemo_dcr import dtypes, registry
 from nemo_dcr.capture import torch_owned_ranges
 from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.cli import make_checkpoint
@@ -58,17 +63,21 @@ from tests.support.faults import FaultyEnd, FaultyRuntime
 from tests.support.transports import open_transport
 
 KEY = b"campaign-key"
-COMMON = ("none", "half", "crash", "silent", "drop", "duplicate", "reorder", "corrupt", "stuck")
+COMMON = ("none", "half", "crash", "silent", "drop", "duplicate", "reorder", "corrupt", "stuck",
+          "wrong_base", "dummy", "bitflip")
 EXTRA = {"local": (), "relay": ("kill_relay",), "s3": ("s3_5xx", "s3_timeout")}
 
 
 class Env:
     """One transport's trainer, receivers (with a supervisor) and history."""
 
-    def __init__(self, name: str, workdir: Path, checkpoint: Path, n_receivers: int = 3, timeout_s: float = 3.0):
+    def __init__(self, name: str, workdir: Path, checkpoint: Path, other_checkpoint: Path, n_receivers: int = 3,
+                 timeout_s: float = 3.0):
+        """`other_checkpoint`: the same shapes as `checkpoint`, other weights (`wrong_base`)."""
         from transformers import AutoModelForCausalLM
 
         self.name, self.checkpoint, self.workdir = name, checkpoint, workdir
+        self.other_checkpoint = other_checkpoint
         self.ids = [f"rx{i}" for i in range(n_receivers)]
         self.proxy = None
         config = {"timeout_s": timeout_s}
@@ -86,6 +95,7 @@ class Env:
         self.started_at: dict[str, float] = {}
         self.commit_seen_at = 0.0
         self.restarts = 0
+        self.lock = threading.Lock()  # the supervisor's restarts and `replace` never interleave
         for rx in self.ids:
             self._start(rx)
         self.stop = threading.Event()
@@ -101,12 +111,19 @@ class Env:
         self.end = self.refit.producer.end
         self.committed_state = self.expected()
 
-    def _start(self, rx: str) -> None:
+    def _start(self, rx: str, weights: str = "checkpoint") -> None:
+        """`weights`: "checkpoint" (version 0), "other" (`other_checkpoint`) or "random"."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.bfloat16)
+        source = self.other_checkpoint if weights == "other" else self.checkpoint
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+        if weights == "random":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_()
         rt = self.runtimes[rx] = FaultyRuntime(HFRuntime(model, checkpoint_dir=self.checkpoint))
-        r = self.receivers[rx] = Receiver(rx, rt, self.transport.receiver(rx), key=KEY, history=self.history)
+        r = self.receivers[rx] = Receiver(rx, rt, self.transport.receiver(rx), key=KEY, history=self.history,
+                                          rescan=True)
         self.started_at[rx] = time.monotonic()
         stop = self.kills[rx] = threading.Event()
         t = self.threads[rx] = threading.Thread(target=_serve, args=(r, stop), daemon=True)
@@ -117,17 +134,25 @@ class Env:
         self.kills[rx].set()
         self.threads[rx].join(5)
 
-    def restart(self, rx: str) -> None:
-        """A receiver process that died and was started again: new end, fresh weights (v0)."""
+    def restart(self, rx: str, weights: str = "checkpoint") -> None:
+        """A receiver process that died and was started again: new end, fresh weights (v0,
+        unless `weights` says otherwise: see `_start`)."""
         self.receivers[rx].end.close()
-        self._start(rx)
+        self._start(rx, weights)
         self.restarts += 1
+
+    def replace(self, rx: str, weights: str) -> None:
+        """Kill a receiver and start it again on other weights (see `_start`)."""
+        with self.lock:
+            self.kill(rx)
+            self.restart(rx, weights)
 
     def _supervise(self) -> None:
         while not self.stop.wait(0.2):
-            for rx, t in list(self.threads.items()):
-                if not t.is_alive():
-                    self.restart(rx)
+            with self.lock:
+                for rx, t in list(self.threads.items()):
+                    if not t.is_alive():
+                        self.restart(rx)
 
     def step(self) -> None:
         ids = torch.randint(0, 300, (2, 16))
@@ -210,6 +235,13 @@ def arm(env: Env, fault: str, rng: random.Random) -> bool:
         rt.crash_on = set(range(rt.calls + 1, rt.calls + 10_000))
     elif fault in FaultyEnd.KINDS:
         env.refit.producer.end = FaultyEnd(env.end, {f"p0-{rng.randint(0, 3):06d}": fault})
+    elif fault in ("wrong_base", "dummy"):  # restarted on bits that are no version of this lineage
+        env.replace(victim, "other" if fault == "wrong_base" else "random")
+    elif fault == "bitflip":  # memory corruption between two refits
+        state = env.receivers[victim].runtime.canonical_state()
+        name = rng.choice(sorted(state))
+        flat = dtypes.bits_of(state[name].detach()).view(-1)
+        flat[rng.randrange(flat.numel())] ^= 1 << rng.randrange(8 * flat.element_size())
     elif fault == "kill_relay":
         rx = env.ids[1]  # interior in the chain
         threading.Thread(target=_kill_and_restart, args=(env, rx, rng.uniform(0.0, 0.3)), daemon=True).start()
@@ -241,9 +273,10 @@ def run(refits: int, transports: list[str], seed: int, workdir: Path, log=print,
     if schedule is not None:
         refits, transports = len(schedule), sorted({t for t, _ in schedule})
     torch.manual_seed(seed)
-    checkpoint = make_checkpoint(workdir / "ckpt", family="llama", hidden=64, layers=2, heads=4, kv_heads=2,
-                                 ffn=128, vocab=300, tied=True, seed=seed)
-    envs = {name: Env(name, workdir / name, checkpoint) for name in transports}
+    shape = dict(family="llama", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=300, tied=True)
+    checkpoint = make_checkpoint(workdir / "ckpt", **shape, seed=seed)
+    other = make_checkpoint(workdir / "other", **shape, seed=seed + 1)
+    envs = {name: Env(name, workdir / name, checkpoint, other) for name in transports}
     outcomes: list[Outcome] = []
     pending_recovery: list[tuple[Outcome, float]] = []
     try:

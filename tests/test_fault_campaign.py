@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 SCHEDULE = [
     ("local", "none"), ("local", "half"), ("local", "crash"), ("local", "drop"), ("local", "silent"),
-    ("local", "stuck"), ("local", "none"),
+    ("local", "stuck"), ("local", "none"), ("local", "wrong_base"), ("local", "dummy"), ("local", "bitflip"),
     ("relay", "kill_relay"), ("relay", "corrupt"), ("relay", "reorder"),
     ("s3", "s3_5xx"), ("s3", "s3_timeout"), ("s3", "duplicate"),
 ]
