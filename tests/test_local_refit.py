@@ -20,6 +20,7 @@ from nemo_dcr.records import Op
 from nemo_dcr.runtimes.hf import HFRuntime
 from nemo_dcr.trainer import TrainerRefit
 from nemo_dcr.verify import bit_mismatches
+from tests.support.transports import open_transport
 from tests.support.wait import serving
 
 
@@ -41,16 +42,16 @@ class Setup:
 
     def __init__(self, checkpoint, tmp_path, n_receivers=2, op=Op.XOR, key=None, receiver_key=None,
                  timeout_s=20, runtime_wrapper=None, max_attempts=3, refit_kw=None, receiver_kw=None, device="cpu",
-                 receiver_checkpoints=None, trainer_setup=None):
+                 receiver_checkpoints=None, trainer_setup=None, transport="local"):
         """`runtime_wrapper(receiver_id, runtime)`: what the receiver applies through
         (fault injection); `max_attempts`: the trainer's tries per transfer; `device`: where
         the trainer's and the receivers' models live; `receiver_checkpoints`: receiver id ->
         the checkpoint its model is loaded from (default: the trainer's); `trainer_setup(model)`:
-        called on the trainer's model before its optimizer is made."""
+        called on the trainer's model before its optimizer is made; `transport`: local, or
+        relay / s3 on real parts (tests/support/transports.py)."""
         self.device = device
         self.ids = [f"rx{i}" for i in range(n_receivers)]
-        self.transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": timeout_s},
-                                            receivers=self.ids)
+        self.transport = open_transport(transport, tmp_path, self.ids, timeout_s=timeout_s)
         self.receivers, self.threads = [], []
         wrap = runtime_wrapper or (lambda rx, runtime: runtime)
         for rx in self.ids:

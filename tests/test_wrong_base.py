@@ -40,10 +40,12 @@ def _exact(s: Setup, version: int) -> None:
         assert r.state_digest == r.runtime.state_digest().hex(), r.id  # kept = read back
 
 
-def test_receiver_on_another_checkpoint_is_caught_resynced_and_exact(checkpoint, other_checkpoint, tmp_path):
+@pytest.mark.parametrize("transport", ["local", "relay", "s3"])
+def test_receiver_on_another_checkpoint_is_caught_resynced_and_exact(checkpoint, other_checkpoint, tmp_path,
+                                                                      transport):
     logs = []
     s = Setup(checkpoint, tmp_path, receiver_checkpoints={"rx1": other_checkpoint},
-              refit_kw={"log": logs.append})
+              refit_kw={"log": logs.append}, transport=transport)
     try:
         assert s.receivers[0].state_digest == s.refit.state_digest != s.receivers[1].state_digest
         for version in (1, 2, 3):
