@@ -264,8 +264,8 @@ def inside(args) -> int:
         for rx in receivers:
             logs.append(work / f"{rx}.log")
             procs.append(start([sys.executable, "-m", "nemo_dcr.cli", "receive", "--checkpoint", str(ckpt),
-                                "--transport", "relay", "--transport-config", json.dumps(config), "--id", rx],
-                               logs[-1], env))
+                                "--transport", "relay", "--transport-config", json.dumps(config), "--id", rx]
+                               + (["--no-state-digest"] if args.no_state_digest else []), logs[-1], env))
         wait_for("serving version 0", logs, procs, 900)
         rows_path = work / "rows.jsonl"
         rows_path.unlink(missing_ok=True)
@@ -275,6 +275,7 @@ def inside(args) -> int:
                "--transport-config", json.dumps(config), "--state-dir", str(work / "state"),
                "--rates", ",".join(str(r) for r in rates for _ in range(args.repeats)), "--results", str(rows_path),
                "--op", args.op, "--payload-elements", ",".join(map(str, sizes))]
+        cmd += ["--no-state-digest"] if args.no_state_digest else []
         shutil.rmtree(work / "state", ignore_errors=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
         for p in procs:
@@ -330,7 +331,7 @@ def inside(args) -> int:
                 f"{len(receivers)} at once); receivers' stage + apply {row['receiver_total_s']:.2f} s; "
                 f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
         result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
-                  "op": args.op, "payload_elements": sizes,
+                  "op": args.op, "payload_elements": sizes, "state_digest": not args.no_state_digest,
                   "params": params, "dense_bytes": dense_bytes, "producers": args.producers,
                   "receivers": len(receivers), "link_gbps_measured": link_bps / 1e9, "memcpy_gbs_per_core": mem,
                   "memcpy_gbs_readings": mem_readings,
@@ -399,6 +400,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mbit", type=int, default=1000)
     ap.add_argument("--link-probe-mb", type=int, default=200)
     ap.add_argument("--no-shape", action="store_true", help="run on the plain loopback (no namespace, no root)")
+    ap.add_argument("--no-state-digest", action="store_true",
+                    help="producers and receivers keep no whole-state digest (the cost of the proof, by difference)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, seconds")
     ap.add_argument("--workdir")
     ap.add_argument("--out", help="results JSON (default benchmarks/results/e2e_link.json; with --smoke, "

@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rates", required=True, help="comma-separated change rates, one refit each")
     ap.add_argument("--results", required=True)
     ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"])
+    ap.add_argument("--no-state-digest", action="store_true", help="keep no whole-state digest")
     ap.add_argument("--payload-elements", required=True,
                     help="max_payload_elements; several (comma-separated) take turns within each rate")
     args = ap.parse_args()
@@ -75,7 +76,7 @@ def main() -> None:
     refit = TrainerRefit(registry.converter("identity", model.config), read_specs(args.checkpoint),
                          torch_owned_ranges(model, rank, world), ParallelLayout(dp_size=world, dp_rank=rank),
                          transport, state_dir=args.state_dir, op=args.op, max_payload_elements=sizes[0],
-                         timeout_s=600)
+                         timeout_s=600, state_digest=not args.no_state_digest)
     if rank == 0:
         print(f"[producer] {world} producers ready in {time.perf_counter() - t:.1f} s", flush=True)
     # A first, small refit warms up what happens once per process (compiling the kernels,

@@ -173,3 +173,18 @@ def test_receiver_pause_benchmark_smoke(tmp_path):
     for row in res["rows"]:
         assert row["changes"] > 0 and row["payloads"] >= 2 and len(row["pause_s"]) == res["rounds"]
         assert 0 < row["min_s"] <= row["median_s"] and row["ns_per_change"] > 0
+
+
+def test_digest_cost_benchmark_smoke(tmp_path):
+    """The whole-state digest's costs, with and without, on both ends (kept digests checked)."""
+    out = tmp_path / "digest_cost.json"
+    proc = subprocess.run([sys.executable, "benchmarks/digest_cost.py", "--smoke", "--rates", "0.03", "--out",
+                           str(out)], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "digest_cost" and res["args"]["smoke"]
+    assert res["producer"]["share_digest_load_s"] > 0 and res["receiver"]["load_digest_s"] > 0
+    for side in ("producer", "receiver"):
+        row = res[side]["rates"]["0.03"]
+        assert row["changes"] > 0 and len(row["on_s"]) == len(row["off_s"]) == res["args"]["rounds"]
+        assert row["median_on_s"] > 0 and row["median_off_s"] > 0
