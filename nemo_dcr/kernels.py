@@ -2017,6 +2017,8 @@ def lookup(sym, table, out):
 # at; on an Emerald Rapids core (into 1 GiB, 5-27M changes) it took 0.54-0.95x the time of
 # none for xor, add and set, 48-96 ahead alike, 16 ahead about half the gain (BENCHMARKS.md).
 _SCATTER_PREFETCH = 64
+# ... for scatters kept in the modules they serve (nemo_dcr.digest's)
+prefetch, SCATTER_PREFETCH = _prefetch, _SCATTER_PREFETCH
 
 
 @_jit
