@@ -194,6 +194,7 @@ def main(argv=None) -> int:
                   f"changed {m['change_rate']:.3%}{residual_note(m)} | dense {m['dense_bytes'] / 1e6:.2f} MB | "
                   f"wire {m['wire_bytes'] / 1e3:.1f} kB | ratio {m['compression']:.1f}x | "
                   f"refit {m['refit_s']:.2f} s | verify {verify_s:.1f} s | "
+                  f"state digest {m['state_digest'][:12]} on {m['digest_checked_receivers']} receivers | "
                   f"bit-exact: {'yes' if exact else 'NO'} ({len(mismatches)} receivers){detail}", flush=True)
             results.append({"step": step, "bit_exact": exact, "mismatches": mismatches, **m})
     if args.dump_dir and rank == 0:
