@@ -1,5 +1,10 @@
 """Llama-3 / Qwen3 style dense decoders (RMSNorm, GQA, SwiGLU, optional QK-norm,
-tied or untied embeddings) from Megatron-core's GPTModel (local layer spec).
+tied or untied embeddings) from Megatron-core's GPTModel, under either layer spec's names:
+the local spec's (`input_layernorm`, `pre_mlp_layernorm`) or Transformer Engine's, which
+Megatron-Bridge builds and NeMo RL trains (the pre-norms fused into the linear layers that
+follow them: `linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`). A model has
+one set or the other; both place the same canonical norms. tests/test_bridge_names.py
+checks every name against Megatron-Bridge's own mapping registry.
 
 Options (constructor keywords, also through `registry.converter(name, cfg, **options)`):
 
@@ -71,12 +76,15 @@ class LlamaConverter(TableConverter):
         return [
             Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VocabParallel()),
             Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",), norm()),
+            Rule(f"{ATTN}.linear_qkv.layer_norm_weight", ("model.layers.{L}.input_layernorm.weight",), norm()),
             Rule(f"{ATTN}.linear_qkv.weight", *linear(qkv, FusedQKV() if self.fp8 else fused_qkv())),
             Rule(f"{ATTN}.linear_qkv.bias", qkv_bias, fused_qkv()),
             Rule(f"{ATTN}.q_layernorm.weight", (f"{HF_ATTN}.q_norm.weight",), norm()),
             Rule(f"{ATTN}.k_layernorm.weight", (f"{HF_ATTN}.k_norm.weight",), norm()),
             Rule(f"{ATTN}.linear_proj.weight", *linear((f"{HF_ATTN}.o_proj.weight",), RowParallel())),
             Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",), norm()),
+            Rule("decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight",
+                 ("model.layers.{L}.post_attention_layernorm.weight",), norm()),
             Rule("decoder.layers.{L}.mlp.linear_fc1.weight", *linear(fc1, GatedColumn())),
             Rule("decoder.layers.{L}.mlp.linear_fc2.weight", *linear(("model.layers.{L}.mlp.down_proj.weight",),
                                                                      RowParallel())),

@@ -1,6 +1,9 @@
 """Qwen3-MoE style decoders (the Qwen3 attention / norms / embeddings, every MLP a
-routed mixture of SwiGLU experts, no shared experts) from Megatron-core's GPTModel
-(local layer spec, SequentialMLP experts: `moe_grouped_gemm=False`).
+routed mixture of SwiGLU experts, no shared experts) from Megatron-core's GPTModel, under
+the local spec's names or Transformer Engine's (see converters/llama.py), with experts as
+SequentialMLP modules (`moe_grouped_gemm=False`: `mlp.experts.local_experts.<e>.linear_fc1.weight`)
+or grouped GEMMs (`moe_grouped_gemm=True`, TE: `mlp.experts.linear_fc1.weight<e>`); the MoE
+layer's pre-MLP norm stays `pre_mlp_layernorm` under both specs.
 
 Expert parallelism: EP rank r holds experts [r * n, (r + 1) * n), n = num_experts /
 ep_size, as `mlp.experts.local_experts.<e>` with the EP-local index e; the "{E}"
@@ -28,6 +31,7 @@ from nemo_dcr.converter import (
 )
 
 EXPERT = "decoder.layers.{L}.mlp.experts.local_experts.{E}"
+GROUPED = "decoder.layers.{L}.mlp.experts"  # grouped GEMM: weight<e> per EP-local expert e
 HF_EXPERT = "model.layers.{L}.mlp.experts.{E}"
 
 
@@ -63,4 +67,7 @@ class Qwen3MoeConverter(LlamaConverter):
             Rule(f"{EXPERT}.linear_fc1.weight", (f"{HF_EXPERT}.gate_proj.weight", f"{HF_EXPERT}.up_proj.weight"),
                  ExpertTP(GatedColumn())),
             Rule(f"{EXPERT}.linear_fc2.weight", (f"{HF_EXPERT}.down_proj.weight",), ExpertTP(RowParallel())),
+            Rule(f"{GROUPED}.linear_fc1.weight{{E}}",
+                 (f"{HF_EXPERT}.gate_proj.weight", f"{HF_EXPERT}.up_proj.weight"), ExpertTP(GatedColumn())),
+            Rule(f"{GROUPED}.linear_fc2.weight{{E}}", (f"{HF_EXPERT}.down_proj.weight",), ExpertTP(RowParallel())),
         ]
