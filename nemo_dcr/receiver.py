@@ -191,6 +191,7 @@ class Receiver:
             return None
         return (f"receiver {self.id} does not hold version {info.base_version}: its state digest is "
                 f"{mine or 'unknown'}, the producers' is {info.base_digest}")
+
     def catch_up(self, target: int | None = None):
         """Take this receiver to `target` (default: the newest version in its history);
         call it before `serve_forever` or from the receiver's own thread."""

@@ -324,8 +324,9 @@ class Producer:
         code for ranges on the CPU too (slower than the compiled host path; for tests and
         benchmarks). "never": every range's changes are coded on the host.
         `state_digest`: keep the whole-state digest of this producer's share (read once
-        here, moved by each refit's changes: `nemo_dcr.digest`); `track_state_digest`
-        turns the per-refit part off and on.
+        here, moved by each refit's changes: `nemo_dcr.digest`). `track_state_digest`
+        turns the per-refit part off and on: a refit that commits without it leaves the
+        share's digest unknown (`digest` None) from then on.
         `first_payload_elements`: where the first payload of a refit is cut (default
         max_payload_elements // 16): a small first payload reaches the link after a
         sixteenth of the diffing a full one needs, and the link is the refit's bound."""
@@ -408,9 +409,9 @@ class Producer:
                     yield from placed(rmap.key(i), out, 0)
 
     def settle(self, committed: bool) -> None:
-        """After the decision on the last refit: its target digest becomes the share's
-        committed one, or is dropped."""
-        if committed and self._target_digest is not None:
+        """After the decision on the last refit: its target digest (None when it kept
+        none) becomes the share's committed one, or is dropped."""
+        if committed:
             self.digest = self._target_digest
         self._target_digest = None
 
@@ -658,9 +659,8 @@ class Producer:
         t = time.perf_counter()
         rep.rejected = self.end.flush(transfer, payload_ids)
         rep.times["flush"] = time.perf_counter() - t
-        if tracking:
-            self._target_digest = self.digest.copy().merge(moved)
-            rep.state_digest = self._target_digest.hex()
+        self._target_digest = self.digest.copy().merge(moved) if tracking else None
+        rep.state_digest = self._target_digest.hex() if tracking else ""
         rep.page_faults = page_faults() - faults0
         rep.cpu_s = time.thread_time() - cpu0
         rep.payloads = len(payload_ids)
