@@ -24,14 +24,18 @@ from tests.support.transports import open_transport
 from tests.support.wait import serving
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
+def tiny_checkpoint(path, seed: int = 0):
+    """A tiny Llama (tied embeddings, BF16) saved at `path`, its weights drawn from `seed`."""
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")

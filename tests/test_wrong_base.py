@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from nemo_dcr import dtypes
 from nemo_dcr.errors import TransferFailed
@@ -17,7 +16,7 @@ from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import RuntimeAdapter
 from nemo_dcr.verify import bit_mismatches
 from tests.support.wait import serving
-from tests.test_local_refit import Setup, checkpoint  # noqa: F401 - the module's checkpoint fixture
+from tests.test_local_refit import Setup, checkpoint, tiny_checkpoint  # noqa: F401 - checkpoint: a fixture
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
@@ -25,12 +24,16 @@ pytestmark = pytest.mark.usefixtures("single_rank_group")
 @pytest.fixture(scope="module")
 def other_checkpoint(tmp_path_factory):
     """Same architecture and shapes as `checkpoint`, another seed."""
-    path = tmp_path_factory.mktemp("other")
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True)
-    torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
-    return path
+    return tiny_checkpoint(tmp_path_factory.mktemp("other"), seed=1)
+
+
+def _refit_resyncs(s: Setup, version: int, receivers: list[str]) -> None:
+    """A training step and a refit that commits `version` after resyncing `receivers`."""
+    s.step()
+    result = s.refit.refit()
+    assert result.decision.committed and result.decision.version == version
+    assert result.resynced == receivers
+    _exact(s, version)
 
 
 def _exact(s: Setup, version: int) -> None:
@@ -74,15 +77,10 @@ def test_memory_corruption_between_refits_is_caught_at_the_next_begin(checkpoint
     s = Setup(checkpoint, tmp_path, receiver_kw={"rescan": True},
               trainer_setup=lambda m: m.model.norm.weight.requires_grad_(False))
     try:
-        s.step()
-        assert s.refit.refit().decision.committed
-        _exact(s, 1)
+        _refit_resyncs(s, 1, [])
         bits = dtypes.bits_of(s.receivers[0].runtime.canonical_state()[frozen].detach()).view(-1)
         bits[5] ^= 1 << 4  # behind the library's back
-        s.step()
-        result = s.refit.refit()
-        assert result.decision.committed and result.resynced == ["rx0"]
-        _exact(s, 2)
+        _refit_resyncs(s, 2, ["rx0"])
     finally:
         s.close()
 
@@ -98,12 +96,9 @@ def test_receiver_with_random_weights_is_resynced_on_its_first_refit(checkpoint,
                     t.normal_()
         return runtime
 
-    s = Setup(checkpoint, tmp_path, runtime_wrapper=randomize, receiver_kw={"rescan": True})
+    s = Setup(checkpoint, tmp_path, runtime_wrapper=randomize)
     try:
-        s.step()
-        result = s.refit.refit()
-        assert result.decision.committed and result.resynced == ["rx0"]
-        _exact(s, 1)
+        _refit_resyncs(s, 1, ["rx0"])
     finally:
         s.close()
 
