@@ -148,7 +148,7 @@ class DiffOutput:
     """Where successive `diff_arrays` calls over the chunks of one range write, end to end:
     each call's arrays are views that directly follow the previous call's in the same
     buffers, so that consecutive chunks' changes can be taken as one view instead of being
-    copied together (the payload builder does: `sender._Arena.concatenate`). A chunk that
+    copied together (the payload builder does: `arena.Arena.concatenate`). A chunk that
     does not fit moves to new, larger buffers; buffers are never resized in place, so the
     views handed out stay valid. Used by the 16-bit vector scan; other paths ignore it."""
 

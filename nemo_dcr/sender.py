@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from nemo_dcr import codec, digest, dtypes, kernels
+from nemo_dcr.arena import Arena
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import DiffOutput, Rows, diff, diff_arrays
 from nemo_dcr.errors import ConverterError
@@ -69,13 +70,13 @@ class _PayloadBuilder:
     With `track_new`, the new bits of every placed element are kept beside the values
     (for each record's expected post-apply digest: `_Batch.records`)."""
 
-    def __init__(self, track_new: bool = False, arena: _Arena | None = None):
+    def __init__(self, track_new: bool = False, arena: Arena | None = None):
         # op "auto": values are (add, new bits) pairs; take() keeps add or computes xor per record.
         # Each part: (positions, values, new bits or None, positions known strictly increasing).
         self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None, bool]]] = {}
         self.elements = 0
         self.track_new = track_new
-        self.arena = arena if arena is not None else _Arena()
+        self.arena = arena if arena is not None else Arena()
 
     def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None,
             increasing: bool = False) -> None:
@@ -105,7 +106,7 @@ class _Batch:
     def __init__(self, parts: dict, track_new: bool):
         self.parts, self.track_new = parts, track_new
 
-    def records(self, specs: dict, arena: _Arena) -> tuple[list[Record], dict[str, str], float]:
+    def records(self, specs: dict, arena: Arena) -> tuple[list[Record], dict[str, str], float]:
         """(records, digests, seconds the digests took): one record per canonical tensor
         (and op), sorted. With `track_new`, digests holds each record's expected
         post-apply digest. The records' arrays may live in `arena`: they are valid until
@@ -178,75 +179,11 @@ def _part_bytes(parts: list) -> int:
     auto = isinstance(first[1], tuple)
     values = (3 if auto else 1) * (first[1][0] if auto else first[1]).itemsize
     per = 8 + values + (first[2].itemsize if first[2] is not None else 0)  # positions as uint64
-    return sum(p[0].size for p in parts) * per + 5 * _Arena.ALIGN
+    return sum(p[0].size for p in parts) * per + 5 * Arena.ALIGN
 
 
 def _cat(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
-class _Arena:
-    """Memory the payload builder concatenates into, reused from payload to payload and
-    from refit to refit. Fresh pages cost more than the copy: touching a page for the
-    first time is a page fault, and on a VM a copy into fresh memory took ~10x as long as
-    one into memory already touched (docs/design-notes.md, "Producer memory"). take()
-    sizes it for the payload at hand (10 bytes per BF16 change: int64 position and value;
-    12 with new bits); it keeps the largest size seen, about `max_payload_elements` plus
-    one chunk's changes."""
-
-    ALIGN = 64
-
-    def __init__(self):
-        self.buf = np.empty(0, np.uint8)
-        self.used = 0
-
-    def reset(self, nbytes: int = 0) -> _Arena:
-        """Hand the whole arena out again, at least `nbytes` of it: what earlier calls
-        returned is overwritten."""
-        self.used = 0
-        if nbytes > self.buf.size:
-            self.buf = np.empty(max(nbytes, self.buf.size + self.buf.size // 4), np.uint8)
-        return self
-
-    def empty(self, n: int, dtype) -> np.ndarray:
-        """n uninitialised elements of `dtype` from the arena."""
-        dtype = np.dtype(dtype)
-        start = -(-self.used // self.ALIGN) * self.ALIGN
-        end = start + n * dtype.itemsize
-        if end > self.buf.size:  # a larger buffer; arrays handed out keep the old one alive
-            self.reset(end - start)
-            start, end = 0, end - start
-        self.used = end
-        return self.buf[start:end].view(dtype)
-
-    def concatenate(self, arrays: list[np.ndarray], dtype=None) -> np.ndarray:
-        """np.concatenate(arrays) into the arena, as `dtype` (default: the arrays'); one
-        array already of that dtype is itself, and arrays of it that lie end to end in one
-        buffer (the diff's chunks, `diff.DiffOutput`) are one view of it: neither is copied."""
-        dtype = np.dtype(arrays[0].dtype if dtype is None else dtype)
-        if len(arrays) == 1 and arrays[0].dtype == dtype:
-            return arrays[0]
-        joined = _end_to_end(arrays, dtype)
-        if joined is not None:
-            return joined
-        # unsafe: int64 positions (never negative) go to uint64 as astype() would take them
-        return np.concatenate(arrays, out=self.empty(sum(a.size for a in arrays), dtype), casting="unsafe")
-
-
-def _end_to_end(arrays: list[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
-    """One view of the memory `arrays` (1-D, all of `dtype`) cover when each starts where
-    the one before ends, inside one contiguous buffer that owns it; else None."""
-    arrays = [a for a in arrays if a.size] or arrays[:1]  # an empty view may point anywhere
-    owner = arrays[0].base
-    if not isinstance(owner, np.ndarray) or not owner.flags.c_contiguous:
-        return None
-    at = arrays[0].ctypes.data
-    for a in arrays:
-        if a.dtype != dtype or a.base is not owner or not a.flags.c_contiguous or a.ctypes.data != at:
-            return None
-        at += a.nbytes
-    start = arrays[0].ctypes.data - owner.ctypes.data
-    return owner.reshape(-1).view(np.uint8)[start:at - owner.ctypes.data].view(dtype)
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
@@ -265,7 +202,7 @@ def _choose_op_sampled(pairs: list[tuple[np.ndarray, np.ndarray]]) -> Op:
     return codec.choose_op_from_add(ad, new, ad.dtype.itemsize)
 
 
-def _xor_of(pairs: list[tuple[np.ndarray, np.ndarray]], arena: _Arena) -> np.ndarray:
+def _xor_of(pairs: list[tuple[np.ndarray, np.ndarray]], arena: Arena) -> np.ndarray:
     """The xor values (new ^ old, old = new - add) of the (add, new bits) pairs, in the arena."""
     add = arena.concatenate([a for a, _ in pairs])
     new = arena.concatenate([n for _, n in pairs])
@@ -354,8 +291,8 @@ class Producer:
         # that last sent each): after the commit they are stored as that version's delta.
         self.keep_sent = False
         self.sent: dict[str, tuple[str, bytes]] = {}
-        self._arena = _Arena()  # the payload builders' concatenations, kept between refits
-        self._spare_arenas: list[_Arena] = []  # for payloads encoded on other threads, also kept
+        self._arena = Arena()  # the payload builders' concatenations, kept between refits
+        self._spare_arenas: list[Arena] = []  # for payloads encoded on other threads, also kept
         self._pool: ThreadPoolExecutor | None = None  # the encoding threads, started by the first refit
         # Ranges no piece touches (replicas, padding) are never diffed or kept.
         self.owned = [r for r in owned if places_anything(maps[r.param.name], r.start, r.stop)]
@@ -442,7 +379,7 @@ class Producer:
         if transfer.attempt == 0:
             self.sent = {}
         # With encode_threads, payloads being encoded elsewhere, in payload order: (id, arena, job, batch).
-        in_flight: deque[tuple[str, _Arena, Future, _Batch]] = deque()
+        in_flight: deque[tuple[str, Arena, Future, _Batch]] = deque()
         first_cut = self.first_payload_elements or max(1, self.max_payload_elements // 16)
         moved = digest.StateDigest()  # how this refit's changes move the share's state digest
         payload_moved = [0, 0]  # ... and how the payload being built moves it
@@ -464,7 +401,7 @@ class Producer:
             """Whether the payload being built is cut now (the first one early: see __init__)."""
             return builder.elements >= (self.max_payload_elements if all_ids else first_cut)
 
-        def encode(batch: _Batch, pid: str, arena: _Arena) -> tuple[bytes | None, dict, float, float]:
+        def encode(batch: _Batch, pid: str, arena: Arena) -> tuple[bytes | None, dict, float, float]:
             """(the payload's bytes, None when it is skipped; its records' digests; seconds
             encoding; seconds digesting)."""
             t = time.perf_counter()
@@ -529,7 +466,7 @@ class Producer:
             if pool is None:
                 finish(pid, *encode(builder.detach(), pid, self._arena))
                 return
-            arena = self._spare_arenas.pop() if self._spare_arenas else _Arena()
+            arena = self._spare_arenas.pop() if self._spare_arenas else Arena()
             batch = builder.detach()
             # The last payload is encoded here: nothing is left to diff, and the hand-over would only cost.
             job = _run_now(encode, batch, pid, arena) if last else pool.submit(encode, batch, pid, arena)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from nemo_dcr.records import Op
-from nemo_dcr.sender import _Arena, _PayloadBuilder
+from nemo_dcr.arena import Arena
+from nemo_dcr.sender import _PayloadBuilder
 
 SPECS = {"a": ("BF16", (1000,)), "b": ("F32", (1000,))}
 
@@ -27,7 +28,7 @@ def _queue(builder, rng, n_parts=3):
 
 def test_records_are_the_parts_concatenated_and_the_arena_is_reused():
     rng = np.random.default_rng(0)
-    arena = _Arena()
+    arena = Arena()
     builder = _PayloadBuilder(arena=arena)
     buffers = []
     for n_parts in (3, 3, 3, 3, 1):
@@ -50,7 +51,7 @@ def test_records_are_the_parts_concatenated_and_the_arena_is_reused():
 
 
 def test_arena_growth_keeps_what_it_handed_out():
-    arena = _Arena().reset()
+    arena = Arena().reset()
     first = arena.concatenate([np.arange(10, dtype=np.int64), np.arange(5, dtype=np.int64)])
     big = arena.concatenate([np.full(1000, 7, np.uint16), np.full(3000, 9, np.uint16)])  # outgrows the buffer
     np.testing.assert_array_equal(first, np.r_[np.arange(10), np.arange(5)])
@@ -66,7 +67,7 @@ def test_arena_growth_keeps_what_it_handed_out():
 def test_parts_end_to_end_in_one_buffer_are_one_view():
     """Parts that lie end to end in one buffer (the diff's chunks of a range) come back as
     one view of it; a gap, another buffer, another dtype or a widening copies."""
-    arena = _Arena().reset()
+    arena = Arena().reset()
     buf = np.arange(100, dtype=np.int32)
     parts = [buf[10:20].view(np.uint32), buf[20:20].view(np.uint32), buf[20:45].view(np.uint32)]
     joined = arena.concatenate(parts, np.uint32)

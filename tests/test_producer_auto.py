@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nemo_dcr import codec, sender
+from nemo_dcr.arena import Arena
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
@@ -91,5 +92,5 @@ def test_xor_of_add_and_new_bits():
     new = rng.integers(0, 1 << 16, 3000, dtype=np.uint16)
     add = new - old
     pairs = [(add[:1000], new[:1000]), (add[1000:1001], new[1000:1001]), (add[1001:], new[1001:])]
-    arena = sender._Arena().reset(1 << 10)  # smaller than needed: the arena grows
+    arena = Arena().reset(1 << 10)  # smaller than needed: the arena grows
     np.testing.assert_array_equal(sender._xor_of(pairs, arena), new ^ old)
