@@ -133,6 +133,13 @@ class Coordinator:
             self.finished_everywhere = sorted(set.intersection(*done))
         return problems
 
+    def announce_catalog(self, specs: dict) -> None:
+        """Tell receivers that build their runtime from the producers' tensors (a canonical
+        mirror) what those are: name -> (dtype, shape). Sent before a transfer begins;
+        receivers with a runtime of their own ignore it."""
+        catalog = {name: [dtype, [int(s) for s in shape]] for name, (dtype, shape) in specs.items()}
+        self._broadcast("catalog", {"catalog": catalog, "version": self.version})
+
     def _broadcast(self, kind: str, meta: dict) -> None:
         self.end.broadcast(kind, sign(self.key, kind, meta))
 

@@ -1,4 +1,4 @@
-"""HMAC-SHA256 on control messages (begin / commit / abort / verify / shutdown and the
+"""HMAC-SHA256 on control messages (begin / commit / abort / verify / shutdown / catalog and the
 receivers' ready / applied / verified replies), with the same shared key as payloads.
 
 Payloads carry their own HMAC (`nemo_dcr.codec`). Control messages travel as small JSON
@@ -24,6 +24,7 @@ REQUIRED = {
     "abort": {"transfer_id", "reason"},
     "verify": {"transfer_id"},
     "shutdown": {"nonce"},
+    "catalog": {"catalog", "version"},
     "ready": {"transfer_id", "receiver", "error"},
     "applied": {"transfer_id", "receiver", "error"},
     "verified": {"transfer_id", "receiver", "version", "digests"},

@@ -63,7 +63,7 @@ class TransferInfo:
 class Event:
     """What a receiver end delivers.
 
-    kind: "begin" | "payload" | "manifest" | "commit" | "abort" | "verify" | "shutdown".
+    kind: "begin" | "payload" | "manifest" | "commit" | "abort" | "verify" | "shutdown" | "catalog".
     For "payload", `data` holds the encoded bytes (a buffer valid until `release()`).
     """
 

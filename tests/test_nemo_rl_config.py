@@ -1,173 +1,134 @@
-"""The `refit_transport: dcr` block of a NeMo RL config: the shipped example validates,
-and each kind of mistake is reported with the path of the field that is wrong."""
+"""The checkpoint engine's config, as NeMo RL reads it: the shipped examples pass NeMo RL's
+own validation and `create_checkpoint_engine` builds the engine from them; each kind of
+mistake is reported with the field's path and the accepted values."""
 
 from __future__ import annotations
 
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from nemo_dcr.integrations.nemo_rl.check import main as check
-from nemo_dcr.integrations.nemo_rl.config import ConfigError, from_generation_config, is_enabled
-from nemo_dcr.records import AUTO, Op
+from nemo_dcr.integrations.nemo_rl.config import ENGINE_PATH, PATH, ConfigError, DCRRefitConfig
+from tests.support.launch import REPO
+from tests.support.nemo_rl_import import NEMO_RL, import_nemo_rl
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nemo_rl" / "grpo_dcr.yaml"
-P = "policy.generation.refit_cfg.dcr"
-
-
-def example_generation() -> dict:
-    return yaml.safe_load(EXAMPLE.read_text())["policy"]["generation"]
+EXAMPLES = sorted((REPO / "examples" / "nemo_rl").glob("*.yaml"))
+CONFIGS = NEMO_RL / "examples" / "configs"
 
 
-def with_dcr(**changes) -> dict:
+@pytest.fixture(scope="module")
+def nemo_rl():
+    import_nemo_rl()
+    from nemo_rl.utils.checkpoint_engines.base import create_checkpoint_engine
+    from nemo_rl.weight_sync.checkpoint_engine_config import checkpoint_engine_refit_config
+
+    return checkpoint_engine_refit_config, create_checkpoint_engine
+
+
+def example_generation(name: str = "grpo_math_1B_megatron_dcr.yaml") -> dict:
+    return yaml.safe_load((REPO / "examples" / "nemo_rl" / name).read_text())["policy"]["generation"]
+
+
+def test_two_examples_dense_and_moe():
+    assert [p.name for p in EXAMPLES] == ["grpo_math_1B_megatron_dcr.yaml", "grpo_moe_megatron_dcr.yaml"]
+    assert all(yaml.safe_load(p.read_text())["defaults"] == "grpo_math_1B_megatron.yaml" for p in EXAMPLES)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_nemo_rl_accepts_the_examples_and_builds_the_engine(example, nemo_rl, capsys):
+    checkpoint_engine_refit_config, create_checkpoint_engine = nemo_rl
+    # what NeMo RL loads: its own GRPO config, inherited, with the example on top
+    assert check([str(example), "--configs", str(CONFIGS)]) == 0
+    assert "NeMo RL's own validation" in capsys.readouterr().out
+    gen = copy.deepcopy(yaml.safe_load(example.read_text())["policy"]["generation"])
+    transport = gen["refit_cfg"][ENGINE_PATH]["transport"]
+    engine_config = checkpoint_engine_refit_config(gen)
+    assert engine_config["backend"] == ENGINE_PATH
+    kwargs = engine_config["engine_kwargs"][ENGINE_PATH]
+    assert kwargs["release_after_refit"] is False and "update_weights_bucket_memory_ratio" not in kwargs
+    engine = create_checkpoint_engine(ENGINE_PATH, bucket_size_bytes=4 << 20, engine_kwargs=kwargs)
+    assert type(engine).__name__ == "DCRCheckpointEngine" and engine.bucket_size == 4 << 20
+    assert engine.settings.transport == transport
+
+
+def test_nemo_rl_rejects_the_old_spelling(nemo_rl):
+    checkpoint_engine_refit_config, _ = nemo_rl
+    gen = example_generation()
+    gen["refit_transport"] = "dcr"
+    with pytest.raises(ValueError, match="Unknown vLLM refit transport 'dcr'"):
+        checkpoint_engine_refit_config(gen)
+
+
+def with_block(**changes) -> dict:
     gen = copy.deepcopy(example_generation())
+    block = gen["refit_cfg"][ENGINE_PATH]
     for key, value in changes.items():
         if value is None:
-            gen["refit_cfg"]["dcr"].pop(key, None)
+            block.pop(key, None)
         else:
-            gen["refit_cfg"]["dcr"][key] = value
-    return gen
+            block[key] = value
+    return block
 
 
-def test_the_shipped_example_validates(monkeypatch, capsys):
-    settings = from_generation_config(example_generation())
-    assert settings.transport == "s3" and settings.op == AUTO and settings.converter == "qwen3_moe"
-    assert settings.transport_config == {"bucket": "my-rl-refit", "region": "us-west-2",
-                                         "prefix": "grpo-qwen3-30b/run-1"}
-    assert settings.baseline_storage == "mmap" and settings.timeout_s == 600.0
-    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
-    kwargs = settings.trainer_kwargs()
-    assert kwargs["key"] == b"s3cret" and kwargs["baseline_dir"] == "/local_nvme/dcr-baseline"
-    assert check([str(EXAMPLE)]) == 0 and "OK" in capsys.readouterr().out
+@pytest.mark.parametrize("changes,expected", [
+    ({"transport": "carrier-pigeon"}, f"{PATH}.transport: 'carrier-pigeon' is not one of: local, relay, s3"),
+    ({"transport": None}, f"{PATH}.transport is required"),
+    ({"op": "subtract"}, f"{PATH}.op: Input should be 'auto', 'xor' or 'add'"),
+    ({"timout_s": 5}, f"{PATH}.timout_s: unknown field (known: "),
+    ({"timeout_s": 0}, f"{PATH}.timeout_s: Input should be greater than 0"),
+    ({"max_attempts": 0}, f"{PATH}.max_attempts: Input should be greater than or equal to 1"),
+    ({"wire_version": 3}, f"{PATH}.wire_version: must be 4, 5 or 6"),
+    ({"local": {"dir": "/dev/shm/x", "bogus": 1}}, f"{PATH}.local.bogus: unknown local transport setting"),
+    ({"s3": {"bucket": "b"}}, f"{PATH}.s3: settings for a transport that is not selected (transport: local)"),
+    ({"transport": "s3", "local": None, "s3": {"region": "x"}}, f"{PATH}.s3.bucket is required by the s3 transport"),
+    ({"key_env": ""}, f"{PATH}.key_env: must be a non-empty string"),
+])
+def test_each_mistake_names_its_field(changes, expected, nemo_rl):
+    with pytest.raises(ConfigError) as err:
+        DCRRefitConfig.parse(with_block(**changes))
+    assert any(p.startswith(expected) for p in err.value.problems), err.value.problems
+    # NeMo RL's factory surfaces the same error when it builds the engine
+    _, create_checkpoint_engine = nemo_rl
+    with pytest.raises(ConfigError, match="invalid NeMo-DCR refit config"):
+        create_checkpoint_engine(ENGINE_PATH, bucket_size_bytes=1 << 20, engine_kwargs=with_block(**changes))
 
 
-@pytest.mark.parametrize("given,settled", [(None, AUTO), ("auto", AUTO), ("xor", Op.XOR), ("add", Op.ADD)])
-def test_op_defaults_to_auto_and_takes_xor_or_add(given, settled, monkeypatch):
-    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
-    settings = from_generation_config(with_dcr(op=given))
-    assert settings.op == settled
-    assert settings.trainer_kwargs()["op"] == settled
+def test_every_problem_at_once():
+    with pytest.raises(ConfigError) as err:
+        DCRRefitConfig.parse(with_block(op="nope", timeout_s=-1, extra_field=True))
+    assert len(err.value.problems) == 3
 
 
-def test_off_unless_selected():
-    assert not is_enabled({"backend": "vllm"}) and not is_enabled(None)
-    assert is_enabled(example_generation())
-    with pytest.raises(ConfigError, match="refit_transport must be 'dcr'"):
-        from_generation_config({"backend": "vllm"})
-
-
-def test_a_missing_key_variable_is_named_without_its_value(monkeypatch):
+def test_key_from_the_environment(monkeypatch):
+    settings = DCRRefitConfig.parse(with_block())
     monkeypatch.delenv("DCR_HMAC_KEY", raising=False)
-    with pytest.raises(ConfigError, match=f"{P}.key_env: environment variable DCR_HMAC_KEY is not set"):
-        from_generation_config(example_generation()).key()
-
-
-@pytest.mark.parametrize("changes,message", [
-    ({"transport": None}, f"{P}.transport is required"),
-    ({"transport": "carrier-pigeon"}, f"{P}.transport: 'carrier-pigeon' is not one of"),
-    ({"s3": {"region": "us-west-2"}}, f"{P}.s3.bucket is required by the s3 transport"),
-    ({"s3": {"bucket": "b", "bukket": "c"}}, f"{P}.s3.bukket: unknown s3 transport setting"),
-    ({"relay": {"nodes": []}}, f"{P}.relay: settings for a transport that is not selected"),
-    ({"op": "overwrite"}, f"{P}.op: 'overwrite' is not one of: auto, xor, add"),
-    ({"converter": "gpt-17"}, f"{P}.converter: 'gpt-17' is not one of"),
-    ({"baseline": {"storage": "mmap"}}, f"{P}.baseline.dir is required when baseline.storage is mmap"),
-    ({"baseline": {"storage": "tape", "dir": "/x"}}, f"{P}.baseline.storage: 'tape' is not one of"),
-    ({"verify": "sometimes"}, f"{P}.verify: 'sometimes' is not one of: never, every_refit"),
-    ({"timeout_s": 0}, f"{P}.timeout_s must be a positive float"),
-    ({"max_payload_elements": 2.5}, f"{P}.max_payload_elements must be a positive int"),
-    ({"encode_threads": -1}, f"{P}.encode_threads must be an integer >= 0, got -1"),
-    ({"encode_threads": "2"}, f"{P}.encode_threads must be an integer >= 0, got '2'"),
-    ({"encode_threads": True}, f"{P}.encode_threads must be an integer >= 0, got True"),
-    ({"anchors_every": 5}, f"{P}.anchors_every: unknown field"),
-    ({"metrics_port": 70000}, f"{P}.metrics_port must be a TCP port number (1-65535), got 70000"),
-    ({"metrics_port": "9464"}, f"{P}.metrics_port must be a TCP port number"),
-    ({"metrics_port": True}, f"{P}.metrics_port must be a TCP port number"),
-])
-def test_each_mistake_names_its_field(changes, message):
-    with pytest.raises(ConfigError) as info:
-        from_generation_config(with_dcr(**changes))
-    assert any(p.startswith(message) for p in info.value.problems), info.value.problems
-
-
-def test_all_problems_at_once_and_transport_specific_rules():
-    gen = with_dcr(transport="relay", s3=None, relay={"nodes": []}, op="mul")
-    with pytest.raises(ConfigError) as info:
-        from_generation_config(gen)
-    problems = "\n".join(info.value.problems)
-    for expected in (f"{P}.relay.coordinator is required", f"{P}.relay.nodes must be a non-empty list",
-                     f"{P}.state_dir is required with the relay transport", f"{P}.op: 'mul'"):
-        assert expected in problems
-    colocated = with_dcr()
-    colocated["colocated"] = {"enabled": True}
-    with pytest.raises(ConfigError, match="colocated generation .* use the local transport"):
-        from_generation_config(colocated)
-    local = with_dcr(transport="local", s3=None, local={"dir": "/dev/shm/job"}, state_dir="/shared/state")
-    local["colocated"] = {"enabled": True}
-    assert from_generation_config(local).transport_config == {"dir": "/dev/shm/job"}
-
-
-def test_wire_version_reaches_the_trainer(monkeypatch):
+    with pytest.raises(ConfigError, match="DCR_HMAC_KEY is not set"):
+        settings.key()
     monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
-    assert from_generation_config(example_generation()).trainer_kwargs()["wire_version"] == 5
-    assert from_generation_config(with_dcr(wire_version=4)).trainer_kwargs()["wire_version"] == 4
-    for bad in (3, "4", True):
-        with pytest.raises(ConfigError, match=rf"{P}.wire_version must be 4, 5 or 6 \(the wire formats payloads can "
-                                              rf"be written in\), got {bad!r}"):
-            from_generation_config(with_dcr(wire_version=bad))
+    assert settings.key() == b"s3cret"
 
 
-def test_encode_threads_reach_the_trainer(monkeypatch):
-    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
-    assert from_generation_config(example_generation()).trainer_kwargs()["encode_threads"] == 0
-    assert from_generation_config(with_dcr(encode_threads=3)).trainer_kwargs()["encode_threads"] == 3
+def test_check_reports_what_is_wrong(tmp_path, capsys):
+    config = yaml.safe_load(EXAMPLES[0].read_text())
+    config.pop("defaults")
+    config["policy"]["generation"]["colocated"]["enabled"] = True
+    config["policy"]["generation"]["refit_cfg"][ENGINE_PATH]["op"] = "subtract"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    assert check([str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "colocated.enabled must be false" in err and f"{PATH}.op" in err
+    off = tmp_path / "off.yaml"
+    off.write_text(yaml.safe_dump({"policy": {"generation": {"refit_transport": None}}}))
+    assert check([str(off)]) == 1 and "NeMo-DCR is off" in capsys.readouterr().err
 
 
-def test_metrics_port_is_optional():
-    assert from_generation_config(example_generation()).metrics_port is None
-    assert from_generation_config(with_dcr(metrics_port=9464)).metrics_port == 9464
-
-
-def test_relay_with_curve_validates():
-    relay = {"nodes": [{"id": "vllm0", "endpoint": "tcp://10.0.0.5:5555"}], "coordinator": "tcp://10.0.0.1:5600",
-             "curve_secret_env": "DCR_CURVE_SECRET"}
-    settings = from_generation_config(with_dcr(transport="relay", s3=None, relay=relay, state_dir="/shared/s"))
-    assert settings.transport_config["curve_secret_env"] == "DCR_CURVE_SECRET"
-    with pytest.raises(ConfigError, match=f"{P}.relay.curve_secret_env must name an environment variable"):
-        from_generation_config(with_dcr(transport="relay", s3=None, relay={**relay, "curve_secret_env": ""},
-                                        state_dir="/shared/s"))
-
-
-def test_recovery_settings_reach_the_trainer(monkeypatch):
-    monkeypatch.setenv("DCR_HMAC_KEY", "s3cret")
-    settings = from_generation_config(with_dcr(max_attempts=5, readback=True,
-                                               history={"store": "s3", "anchor_every": 20, "keep_anchors": 3}))
-    kwargs = settings.trainer_kwargs()
-    assert (kwargs["max_attempts"], kwargs["readback"], kwargs["history"]) == (5, True, "s3")
-    assert (kwargs["anchor_every"], kwargs["keep_anchors"]) == (20, 3)
-    assert from_generation_config(example_generation()).trainer_kwargs()["history"] is None  # off by default
-
-
-@pytest.mark.parametrize("changes,message", [
-    ({"max_attempts": 0}, f"{P}.max_attempts must be a positive int"),
-    ({"readback": "yes"}, f"{P}.readback must be true or false"),
-    ({"history": {"anchor_every": 5}}, f"{P}.history.store is required"),
-    ({"history": {"store": "/shared/h", "keep_anchors": 0}}, f"{P}.history.keep_anchors must be an integer >= 1"),
-    ({"history": {"store": "/shared/h", "every": 3}}, f"{P}.history.every: unknown field"),
-])
-def test_recovery_settings_are_checked(changes, message):
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        from_generation_config(with_dcr(**changes))
-
-
-def test_the_config_loads_no_compiled_kernels():
-    """vLLM generation workers import the config before their engine starts, and vLLM's CPU
-    start-up fails once numba's LLVM binding is loaded (nemo_dcr/wire_versions.py): the
-    config must not import the codec or the kernels."""
-    code = ("import sys, nemo_dcr.integrations.nemo_rl.config; "
-            "print(sorted(m for m in ('numba', 'llvmlite', 'nemo_dcr.kernels', 'nemo_dcr.codec') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+def test_check_without_nemo_rl_checks_the_block_and_says_so():
+    out = subprocess.run([sys.executable, "-m", "nemo_dcr.integrations.nemo_rl.check", str(EXAMPLES[1])],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "NeMo RL is not importable here" in out.stdout and "over s3" in out.stdout

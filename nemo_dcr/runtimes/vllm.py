@@ -363,7 +363,7 @@ class DCRWorkerExtension:
     With `dcr_background_start()`, a thread stages payloads (decode, validate,
     acknowledge) while the engine keeps generating, and `dcr_update(version)` does the
     rest (apply, commit or abort) on the worker's thread: generation pauses only for the
-    apply. `nemo_dcr.integrations.nemo_rl.generation` drives this for NeMo RL.
+    apply.
     """
 
     def _dcr_model(self) -> torch.nn.Module:

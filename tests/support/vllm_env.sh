@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV="${DCR_VLLM_VENV:-.venv-vllm}"
 PY="$VENV/bin/python"
-if [ -x "$PY" ] && "$PY" -c "import vllm, nemo_dcr" 2>/dev/null; then
+if [ -x "$PY" ] && "$PY" -c "import vllm, ray, accelerate, nemo_dcr" 2>/dev/null; then
     "$PY" -m pip install --quiet -e . 2>&1 | grep -v "^WARNING: Location" || true  # picks up new dependencies
     echo "vllm env: $VENV already set up"
     exit 0
@@ -21,4 +21,8 @@ echo "*" > "$VENV/.gitignore"  # never committed (Python 3.13+ venv does the sam
 # transformers' image utilities then fails ("operator torchvision::nms does not exist").
 "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING' || true
 "$PY" -m pip install --quiet -e . 2>&1 | grep -v '^WARNING: Location' || true
-"$PY" -c "import vllm, nemo_dcr.runtimes.vllm; print('vllm env:', vllm.__version__)"
+# NeMo RL's vLLM worker extension (imported from its source snapshot by
+# tests/test_nemo_rl_ray.py) and Ray, the same version as the main test venv's.
+"$PY" -m pip install --quiet "ray==2.60.0" accelerate nvidia-ml-py fastapi uvicorn pillow 2>&1 \
+    | grep -v '^WARNING: Location' || true
+"$PY" -c "import vllm, ray, accelerate, nemo_dcr.runtimes.vllm; print('vllm env:', vllm.__version__)"

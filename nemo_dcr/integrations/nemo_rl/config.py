@@ -1,42 +1,37 @@
-"""The `refit_transport: dcr` block of a NeMo RL config, validated.
+"""The settings of NeMo-DCR's NeMo RL checkpoint engine, validated.
 
-NeMo RL users configure generation under `policy.generation`; delta refit is one more
-choice there, beside NeMo RL's own collective / CUDA-IPC refit:
+NeMo RL selects a checkpoint engine by class path and hands it the block of the same
+name under `refit_cfg`:
 
     policy:
       generation:
-        backend: vllm
         colocated: {enabled: false}
-        refit_transport: dcr
+        refit_transport: "nemo_dcr.integrations.nemo_rl:DCRCheckpointEngine"
         refit_cfg:
-          dcr:
-            transport: s3                      # local | relay | s3 (or any registered transport)
-            s3: {bucket: rl-refit, region: us-west-2, prefix: job-42}
-            converter: qwen3                   # registry name; default: the HF model_type
-            state_dir: /shared/job-42/dcr      # commit records (the s3 transport keeps them in the bucket)
-            metrics_port: 9464                 # optional: Prometheus endpoint on the trainer's rank 0
+          "nemo_dcr.integrations.nemo_rl:DCRCheckpointEngine":
+            transport: local               # local | relay | s3 (or any registered transport)
+            local: {dir: /dev/shm/grpo-run-1}
 
-Every problem is reported at once, each naming its full path (`policy.generation.
-refit_cfg.dcr.<field>`), before anything starts. Unknown fields are errors, not ignored:
-a misspelt option must not silently fall back to a default.
+NeMo RL validates only its own two fields of that block (`update_weights_bucket_memory_
+ratio`, `release_after_refit`) and passes the rest through, so `DCRRefitConfig` checks
+every other field: unknown fields are errors, and each problem names its full path and
+the accepted values.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from nemo_dcr import registry
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
 from nemo_dcr.wire_versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text  # not codec: see there
-from nemo_dcr.records import AUTO
 
-PATH = "policy.generation.refit_cfg.dcr"
-VERIFY_MODES = ("never", "every_refit")
-BASELINE_STORAGE = ("memory", "mmap")
+ENGINE_PATH = "nemo_dcr.integrations.nemo_rl:DCRCheckpointEngine"
+PATH = f'policy.generation.refit_cfg["{ENGINE_PATH}"]'
 
-# Transport settings each built-in transport accepts (beyond its defaults) and requires.
-_TRANSPORT_FIELDS = {
+# Transport settings each built-in transport accepts and requires.
+TRANSPORT_FIELDS = {
     "local": ({"dir", "max_in_flight_bytes", "timeout_s"}, set()),
     "relay": ({"nodes", "coordinator", "coordinator_bind", "fanout", "timeout_s", "max_in_flight_bytes",
                "window_bytes", "window_payloads", "hwm", "local_queue", "curve_secret_env"}, {"nodes", "coordinator"}),
@@ -54,30 +49,76 @@ class ConfigError(ValueError):
         super().__init__("invalid NeMo-DCR refit config:\n  - " + "\n  - ".join(problems))
 
 
-@dataclass(frozen=True)
-class DCRSettings:
-    """What the trainer side and the receivers need, resolved from the config."""
+class DCRRefitConfig(BaseModel):
+    """`refit_cfg["nemo_dcr.integrations.nemo_rl:DCRCheckpointEngine"]`."""
 
-    transport: str
-    transport_config: dict
-    converter: str | None
-    converter_options: dict = field(default_factory=dict)
-    op: str = AUTO  # auto | xor | add, as TrainerRefit takes it
+    model_config = ConfigDict(extra="forbid")
+
+    transport: str = Field(description="local | relay | s3, or a transport registered under nemo_dcr.transports")
+    local: dict[str, Any] | None = None
+    relay: dict[str, Any] | None = None
+    s3: dict[str, Any] | None = None
+    # Where trainer rank 0 keeps the commit records. None: a fresh directory per run (the
+    # first refit of a run is dense then anyway). The s3 transport keeps them in its bucket.
     state_dir: str | None = None
-    baseline_storage: str = "memory"
-    baseline_dir: str | None = None
-    key_env: str | None = None
-    verify: str = "every_refit"
-    timeout_s: float = 300.0
-    max_payload_elements: int = 1 << 20
-    encode_threads: int = 0  # per trainer rank: threads that encode payloads while the rank diffs on
-    wire_version: int = FORMAT_VERSION  # the wire format payloads are written in (4: for receivers not yet reading 5)
-    metrics_port: int | None = None  # Prometheus endpoint on the trainer's rank 0 (None: off)
-    max_attempts: int = 1  # tries of one transfer (retries are in place, as overwrites); see docs/nemo-rl.md
-    readback: bool = False  # receivers read applied regions back; checked before the commit
-    history: str | None = None  # a directory or "s3": deltas and anchors for catch-up (None: off)
-    anchor_every: int = 0
-    keep_anchors: int = 2
+    key_env: str | None = Field(None, description="environment variable holding the HMAC key")
+    op: Literal["auto", "xor", "add"] = "auto"
+    timeout_s: Annotated[float, Field(gt=0)] = 300.0
+    max_payload_elements: Annotated[int, Field(gt=0)] = 1 << 20
+    encode_threads: Annotated[int, Field(ge=0)] = 0
+    # Tries of one transfer; the retries are in place (what receivers finished stays, the
+    # rest is re-sent as overwrites).
+    max_attempts: Annotated[int, Field(ge=1)] = 3
+    wire_version: int = FORMAT_VERSION
+    state_digest: bool = True
+    # NeMo RL's own fields of every checkpoint-engine block.
+    update_weights_bucket_memory_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.05
+    release_after_refit: bool = False
+
+    @field_validator("transport")
+    @classmethod
+    def _known_transport(cls, value: str) -> str:
+        from nemo_dcr import registry
+
+        known = registry.available("nemo_dcr.transports")
+        if value not in known:
+            raise ValueError(f"{value!r} is not one of: {', '.join(known)}")
+        return value
+
+    @field_validator("wire_version")
+    @classmethod
+    def _writable(cls, value: int) -> int:
+        if value not in WRITABLE_VERSIONS:
+            raise ValueError(f"must be {writable_versions_text()} (the wire formats payloads can be written in)")
+        return value
+
+    @field_validator("state_dir", "key_env")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("must be a non-empty string or left out")
+        return value
+
+    @model_validator(mode="after")
+    def _transport_section(self) -> DCRRefitConfig:
+        problems = []
+        for other in ("local", "relay", "s3"):
+            if other != self.transport and getattr(self, other) is not None:
+                problems.append(f"{other}: settings for a transport that is not selected (transport: {self.transport})")
+        section = self.transport_config
+        if self.transport in TRANSPORT_FIELDS:
+            allowed, required = TRANSPORT_FIELDS[self.transport]
+            problems += [f"{self.transport}.{k}: unknown {self.transport} transport setting "
+                         f"(known: {', '.join(sorted(allowed))})" for k in sorted(set(section) - allowed)]
+            problems += [f"{self.transport}.{k} is required by the {self.transport} transport"
+                         for k in sorted(required - set(section))]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def transport_config(self) -> dict[str, Any]:
+        return dict(getattr(self, self.transport, None) or {}) if self.transport in TRANSPORT_FIELDS else {}
 
     def key(self) -> bytes | None:
         """The HMAC key from the environment (never stored in the config, never logged)."""
@@ -85,176 +126,34 @@ class DCRSettings:
             return None
         value = os.environ.get(self.key_env)
         if not value:
-            raise ConfigError([f"{PATH}.key_env: environment variable {self.key_env} is not set or empty"])
+            raise ConfigError([f"{PATH}.key_env: environment variable {self.key_env} is not set or empty "
+                               f"in this process ({os.getpid()}): set it on every policy and vLLM worker"])
         return value.encode()
 
-    def converter_name(self, hf_config) -> str:
-        return self.converter or str(getattr(hf_config, "model_type", "") or "identity")
-
-    def trainer_kwargs(self) -> dict:
-        """Keyword arguments for `nemo_dcr.trainer.TrainerRefit` (besides what the worker knows)."""
-        return {"state_dir": self.state_dir, "op": self.op, "key": self.key(), "timeout_s": self.timeout_s,
-                "max_payload_elements": self.max_payload_elements, "encode_threads": self.encode_threads,
-                "wire_version": self.wire_version,
-                "baseline_dir": self.baseline_dir if self.baseline_storage == "mmap" else None,
-                "max_attempts": self.max_attempts, "readback": self.readback, "history": self.history,
-                "anchor_every": self.anchor_every, "keep_anchors": self.keep_anchors}
-
     def build_transport(self, receivers: list[str] | None = None):
+        from nemo_dcr import registry
+
         return registry.transport(self.transport, self.transport_config, receivers=receivers)
 
-
-def is_enabled(generation_cfg: dict | None) -> bool:
-    """True when `policy.generation` selects delta refit."""
-    return bool(generation_cfg) and generation_cfg.get("refit_transport") == "dcr"
-
-
-def from_generation_config(generation_cfg: dict) -> DCRSettings:
-    """Validate `policy.generation` and return the settings; raise ConfigError listing every problem."""
-    problems: list[str] = []
-    if not isinstance(generation_cfg, dict):
-        raise ConfigError([f"policy.generation must be a mapping, got {type(generation_cfg).__name__}"])
-    if generation_cfg.get("refit_transport") != "dcr":
-        raise ConfigError([f"policy.generation.refit_transport must be 'dcr' to use NeMo-DCR, "
-                           f"got {generation_cfg.get('refit_transport')!r}"])
-    colocated = bool((generation_cfg.get("colocated") or {}).get("enabled"))
-    cfg = (generation_cfg.get("refit_cfg") or {}).get("dcr")
-    if not isinstance(cfg, dict):
-        raise ConfigError([*problems, f"{PATH} is missing: it needs at least 'transport' and that transport's "
-                                      f"section (e.g. transport: s3 with s3: {{bucket: ...}})"])
-    checker = _Checker(problems)
-    known = {"transport", "converter", "converter_options", "op", "state_dir", "baseline", "key_env", "verify",
-             "timeout_s", "max_payload_elements", "encode_threads", "metrics_port", "max_attempts", "readback",
-             "history", "wire_version",
-             *registry.available("nemo_dcr.transports")}
-    for unknown in sorted(set(cfg) - known):
-        problems.append(f"{PATH}.{unknown}: unknown field (known: {', '.join(sorted(known))})")
-
-    transport = checker.choice(cfg, "transport", registry.available("nemo_dcr.transports"), required=True)
-    transport_config = cfg.get(transport, {}) if transport else {}
-    if transport and not isinstance(transport_config, dict):
-        problems.append(f"{PATH}.{transport} must be a mapping of {transport} transport settings")
-        transport_config = {}
-    if transport in _TRANSPORT_FIELDS:
-        allowed, required = _TRANSPORT_FIELDS[transport]
-        for unknown in sorted(set(transport_config) - allowed):
-            problems.append(f"{PATH}.{transport}.{unknown}: unknown {transport} transport setting "
-                            f"(known: {', '.join(sorted(allowed))})")
-        for missing in sorted(required - set(transport_config)):
-            problems.append(f"{PATH}.{transport}.{missing} is required by the {transport} transport")
-    if transport == "relay" and not (isinstance(transport_config.get("nodes"), list) and transport_config["nodes"]):
-        problems.append(f"{PATH}.relay.nodes must be a non-empty list of {{id: ..., endpoint: tcp://host:port}}")
-    curve = transport_config.get("curve_secret_env") if transport == "relay" else None
-    if curve is not None and (not isinstance(curve, str) or not curve):
-        problems.append(f"{PATH}.relay.curve_secret_env must name an environment variable (the CURVE secret "
-                        f"stays in the environment), got {curve!r}")
-    if colocated and transport not in (None, "local"):
-        problems.append(f"{PATH}.transport: colocated generation (policy.generation.colocated.enabled) shares the "
-                        f"trainer's nodes; use the local transport (shared memory / CUDA IPC), not {transport}")
-    for other in sorted(set(cfg) & set(registry.available("nemo_dcr.transports")) - {transport}):
-        problems.append(f"{PATH}.{other}: settings for a transport that is not selected (transport: {transport})")
-
-    converter = cfg.get("converter")
-    if converter is not None:
-        checker.choice(cfg, "converter", registry.available("nemo_dcr.converters"))
-    options = checker.mapping(cfg, "converter_options")
-    op = checker.choice(cfg, "op", (AUTO, "xor", "add"), default=AUTO)
-    state_dir = checker.string(cfg, "state_dir")
-    if transport in ("local", "relay") and state_dir is None:
-        problems.append(f"{PATH}.state_dir is required with the {transport} transport: the coordinator keeps "
-                        f"its commit records there (a directory that survives the trainer's restarts)")
-    baseline = checker.mapping(cfg, "baseline")
-    storage = checker.choice(baseline, "storage", BASELINE_STORAGE, default="memory", where=f"{PATH}.baseline")
-    baseline_dir = checker.string(baseline, "dir", where=f"{PATH}.baseline")
-    for unknown in sorted(set(baseline) - {"storage", "dir"}):
-        problems.append(f"{PATH}.baseline.{unknown}: unknown field (known: dir, storage)")
-    if storage == "mmap" and baseline_dir is None:
-        problems.append(f"{PATH}.baseline.dir is required when baseline.storage is mmap")
-    key_env = checker.string(cfg, "key_env")
-    verify = checker.choice(cfg, "verify", VERIFY_MODES, default="every_refit")
-    timeout_s = checker.positive(cfg, "timeout_s", 300.0, float)
-    max_payload = checker.positive(cfg, "max_payload_elements", 1 << 20, int)
-    encode_threads = checker.integer(cfg, "encode_threads", 0, low=0)
-    wire_version = cfg.get("wire_version", FORMAT_VERSION)
-    if isinstance(wire_version, bool) or wire_version not in WRITABLE_VERSIONS:
-        problems.append(f"{PATH}.wire_version must be {writable_versions_text()} (the wire formats payloads can "
-                        f"be written in), got {wire_version!r}")
-        wire_version = FORMAT_VERSION
-    metrics_port = cfg.get("metrics_port")
-    if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
-                                     or not 1 <= metrics_port <= 65535):
-        problems.append(f"{PATH}.metrics_port must be a TCP port number (1-65535), got {metrics_port!r}")
-        metrics_port = None
-    max_attempts = checker.positive(cfg, "max_attempts", 1, int)
-    readback = cfg.get("readback", False)
-    if not isinstance(readback, bool):
-        problems.append(f"{PATH}.readback must be true or false, got {readback!r}")
-    history = checker.mapping(cfg, "history")
-    for unknown in sorted(set(history) - {"store", "anchor_every", "keep_anchors"}):
-        problems.append(f"{PATH}.history.{unknown}: unknown field (known: anchor_every, keep_anchors, store)")
-    store = checker.string(history, "store", where=f"{PATH}.history")
-    if history and store is None:
-        problems.append(f"{PATH}.history.store is required: a directory both sides can read, or 's3' "
-                        f"(the s3 transport's bucket)")
-    if store == "s3" and transport != "s3":
-        problems.append(f"{PATH}.history.store 's3' keeps the history in the s3 transport's bucket; "
-                        f"with the {transport} transport give a shared directory")
-    anchor_every = checker.integer(history, "anchor_every", 10, low=0, where=f"{PATH}.history")
-    keep_anchors = checker.integer(history, "keep_anchors", 2, low=1, where=f"{PATH}.history")
-    if problems:
-        raise ConfigError(problems)
-    return DCRSettings(transport=transport, transport_config=dict(transport_config), converter=converter,
-                       converter_options=dict(options), op=op, state_dir=state_dir, baseline_storage=storage,
-                       baseline_dir=baseline_dir, key_env=key_env, verify=verify, timeout_s=timeout_s,
-                       max_payload_elements=max_payload, encode_threads=encode_threads, wire_version=wire_version,
-                       metrics_port=metrics_port,
-                       max_attempts=max_attempts, readback=readback, history=store, anchor_every=anchor_every,
-                       keep_anchors=keep_anchors)
+    @classmethod
+    def parse(cls, block: Any, where: str = PATH) -> DCRRefitConfig:
+        """Validate a raw block; raise ConfigError listing every problem with its path."""
+        if not isinstance(block, dict):
+            raise ConfigError([f"{where} must be a mapping with at least 'transport', got {type(block).__name__}"])
+        try:
+            return cls.model_validate(block)
+        except ValidationError as e:
+            raise ConfigError([_describe(where, err) for err in e.errors()]) from None
 
 
-class _Checker:
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-
-    def _where(self, where: str | None, name: str) -> str:
-        return f"{where or PATH}.{name}"
-
-    def choice(self, cfg: dict, name: str, options, *, default=None, required: bool = False, where=None):
-        value = cfg.get(name, default)
-        if value is None:
-            if required:
-                self.problems.append(f"{self._where(where, name)} is required (one of: {', '.join(options)})")
-            return None
-        if value not in options:
-            self.problems.append(f"{self._where(where, name)}: {value!r} is not one of: {', '.join(options)}")
-            return None
-        return value
-
-    def mapping(self, cfg: dict, name: str) -> dict:
-        value = cfg.get(name) or {}
-        if not isinstance(value, dict):
-            self.problems.append(f"{PATH}.{name} must be a mapping, got {type(value).__name__}")
-            return {}
-        return value
-
-    def string(self, cfg: dict, name: str, where=None) -> str | None:
-        value = cfg.get(name)
-        if value is not None and (not isinstance(value, str) or not value):
-            self.problems.append(f"{self._where(where, name)} must be a non-empty string, got {value!r}")
-            return None
-        return value
-
-    def integer(self, cfg: dict, name: str, default: int, *, low: int, where=None) -> int:
-        value = cfg.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            self.problems.append(f"{self._where(where, name)} must be an integer >= {low}, got {value!r}")
-            return default
-        return value
-
-    def positive(self, cfg: dict, name: str, default, kind: type) -> Any:
-        value = cfg.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-                kind is int and int(value) != value):
-            self.problems.append(f"{PATH}.{name} must be a positive {kind.__name__}, got {value!r}")
-            return default
-        return kind(value)
+def _describe(where: str, err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(sorted(DCRRefitConfig.model_fields))
+        return f"{where}.{loc}: unknown field (known: {known})"
+    if err["type"] == "missing":
+        return f"{where}.{loc} is required"
+    if not loc:  # a whole-block check: its message names the fields
+        return "; ".join(f"{where}.{part}" for part in message.split("; "))
+    return f"{where}.{loc}: {message} (got {err.get('input')!r})"

@@ -1,0 +1,186 @@
+"""The rollout side of the checkpoint engine: a receiver over a canonical mirror.
+
+NeMo RL's plug-in interface gives a vLLM worker's engine no handle on the model: it
+yields `(name, tensor)` batches and vLLM loads each one with its own `load_weights`
+(not transactional). So each vLLM worker keeps a canonical mirror of the weights it
+serves (`TensorStoreRuntime`, host memory, one model in checkpoint dtype), the
+receiver applies the changed bits to the mirror, and only after the joint commit are
+the tensors the transfer touched yielded to vLLM. A transfer that does not commit is
+reverted in the mirror and nothing is yielded: vLLM keeps serving version v, and the
+update raises.
+
+The mirror is built from the catalog the trainer's rank 0 announces before each
+transfer; it starts at zeros, marked as holding no version, so the first refit resyncs
+it densely (all tensors are yielded then: this also covers vLLM's
+`load_format="dummy"` start).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+from nemo_dcr import dtypes
+from nemo_dcr.control_auth import check
+from nemo_dcr.integrations.nemo_rl.config import DCRRefitConfig
+from nemo_dcr.runtimes.base import UndoLog
+from nemo_dcr.runtimes.store import TensorStoreRuntime
+
+log = logging.getLogger("nemo_dcr.nemo_rl")
+
+
+class MirrorRuntime(TensorStoreRuntime):
+    """A canonical tensor store that remembers which tensors were written."""
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.touched: set[str] = set()
+
+    def apply(self, records) -> UndoLog:
+        records = list(records)
+        undo = super().apply(records)
+        self.touched.update(r.name for r in records if len(r))
+        return undo
+
+
+def zeros_mirror(catalog: dict) -> MirrorRuntime:
+    """A mirror of `catalog` (name -> [dtype, shape]) filled with zeros."""
+    tensors = {}
+    for name, (dtype, shape) in catalog.items():
+        tensors[name] = torch.zeros(tuple(int(s) for s in shape), dtype=dtypes.from_name(dtype).torch_dtype)
+    return MirrorRuntime(tensors)
+
+
+class UpdateFailed(RuntimeError):
+    """The transfer did not commit: the mirror and vLLM still hold the previous version."""
+
+
+class MirrorReceiver:
+    """One vLLM worker's receiver (id `rollout<rank>`), kept across refits."""
+
+    def __init__(self, settings: DCRRefitConfig, receiver_id: str, transport):
+        self.settings, self.id = settings, receiver_id
+        self.key = settings.key()
+        self.end = transport.receiver(receiver_id)
+        self.receiver = None  # built from the first catalog
+        self.reload_all = False  # vLLM may hold a mix of versions: load every tensor next time
+        self.last: dict = {}
+
+    # -- one update ------------------------------------------------------------------
+
+    def update(self, max_batch_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Take the next transfer to its end; on commit, yield the tensors it changed in
+        batches of at most `max_batch_bytes` (one tensor may exceed it). Raises
+        UpdateFailed when it aborted or nothing was decided within `timeout_s`."""
+        t0 = time.perf_counter()
+        version = self.receiver.serving_version if self.receiver is not None else None
+        self._run_transfer()
+        rx = self.receiver
+        runtime = rx.runtime
+        names = list(runtime.tensors) if self.reload_all else [n for n in runtime.tensors if n in runtime.touched]
+        runtime.touched.clear()
+        self.last = {"version": rx.serving_version, "previous_version": version, "tensors": len(names),
+                     "resyncs": rx.resyncs, "receive_s": time.perf_counter() - t0}
+        self.reload_all = True  # until every batch was taken: a load cut short leaves vLLM mixed
+        batch, size = [], 0
+        for name in names:
+            tensor = runtime.tensors[name]
+            if batch and size + tensor.nbytes > max_batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append((name, tensor))
+            size += tensor.nbytes
+        if batch:
+            yield batch
+        self.reload_all = False
+
+    def _run_transfer(self) -> None:
+        """Handle events until a transfer (not a resync) commits or is aborted."""
+        deadline = time.monotonic() + self.settings.timeout_s
+        begun: set[str] = set()
+        while True:
+            if time.monotonic() > deadline:
+                self._forget_touched()
+                raise UpdateFailed(f"receiver {self.id}: no transfer committed within {self.settings.timeout_s:.0f} s "
+                                   f"(serving version {self._serving()})")
+            event = self.end.poll(0.05)
+            if event is None:
+                continue
+            kind, meta = event.kind, event.meta
+            if kind == "catalog":
+                self._on_catalog(event)
+                continue
+            if self.receiver is None:  # nothing to take it with yet: the catalog comes first
+                if kind == "begin":
+                    log.warning("[%s] a transfer began before any catalog arrived; it is ignored", self.id)
+                event.release()
+                continue
+            rx = self.receiver
+            if kind == "begin":
+                info = meta.get("transfer") or {}
+                if not info.get("resync"):
+                    begun.add(str(meta.get("transfer_id")))
+            cur = rx.current
+            ours = cur is not None and not cur.info.resync and cur.info.transfer_id == meta.get("transfer_id")
+            alive = rx.handle(event)
+            if kind == "commit" and ours and rx.current is None:
+                return
+            if kind == "abort" and meta.get("transfer_id") in begun:
+                self._forget_touched()
+                raise UpdateFailed(f"receiver {self.id}: transfer {meta.get('transfer_id')} aborted: "
+                                   f"{meta.get('reason')} (serving version {rx.serving_version})")
+            if not alive:
+                self._forget_touched()
+                raise UpdateFailed(f"receiver {self.id}: the trainer shut the receivers down")
+
+    def _forget_touched(self) -> None:
+        # What a failed transfer wrote was reverted: vLLM already holds those tensors.
+        if self.receiver is not None:
+            self.receiver.runtime.touched.clear()
+
+    def _serving(self):
+        return None if self.receiver is None else self.receiver.serving_version
+
+    def _on_catalog(self, event) -> None:
+        meta = event.meta
+        try:
+            why = check(self.key, "catalog", meta)
+            if why is not None:
+                log.warning("[%s] ignored a catalog: %s", self.id, why)
+                return
+            catalog = meta.get("catalog")
+            if not isinstance(catalog, dict) or not catalog:
+                log.warning("[%s] ignored a malformed catalog", self.id)
+                return
+            if self.receiver is not None:
+                held = {n: [d, list(s)] for n, (d, s) in self.receiver.runtime.catalog().items()}
+                if held != catalog:
+                    log.error("[%s] the trainer's tensors changed (%d now, %d held): rebuilding the mirror; "
+                              "the next transfer resyncs it densely", self.id, len(catalog), len(held))
+                    self._build(catalog, int(meta.get("version", 0)))
+                return
+            self._build(catalog, int(meta.get("version", 0)))
+        finally:
+            event.release()
+
+    def _build(self, catalog: dict, version: int) -> None:
+        from nemo_dcr.receiver import Receiver
+
+        try:
+            runtime = zeros_mirror(catalog)
+        except (KeyError, ValueError, TypeError) as e:
+            log.error("[%s] cannot build a mirror from the catalog: %s", self.id, e)
+            return
+        self.receiver = Receiver(self.id, runtime, self.end, version=version, key=self.key,
+                                 state_digest=self.settings.state_digest, log=log.info)
+        # Zeros are no version: the first transfer's begin asks for a dense resync.
+        self.receiver.uncertain_state = "its canonical mirror was just built and holds no version yet"
+        self.reload_all = True
+        log.info("[%s] canonical mirror of %d tensors (%.1f MiB) built", self.id, len(catalog),
+                 sum(t.nbytes for t in runtime.tensors.values()) / 2**20)
+
+    def close(self) -> None:
+        self.end.close()
