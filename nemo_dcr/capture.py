@@ -35,6 +35,7 @@ from nemo_dcr.layout import LocalParam, OwnedRange
 __all__ = [
     "even_split",
     "megatron_owned_ranges",
+    "megatron_layout",
     "torch_owned_ranges",
     "attach_post_step_hook",
     "PostStepHookHandle",
@@ -223,6 +224,23 @@ def attach_post_step_hook(optimizer, callback: Callable[[], None]) -> PostStepHo
             unwrap()
 
     return PostStepHookHandle(remove)
+
+
+def megatron_layout():
+    """This training rank's coordinates from `megatron.core.parallel_state`."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_dcr.layout import ParallelLayout
+
+    return ParallelLayout(tp_size=ps.get_tensor_model_parallel_world_size(),
+                          tp_rank=ps.get_tensor_model_parallel_rank(),
+                          pp_size=ps.get_pipeline_model_parallel_world_size(),
+                          pp_rank=ps.get_pipeline_model_parallel_rank(),
+                          dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+                          ep_size=ps.get_expert_model_parallel_world_size(),
+                          ep_rank=ps.get_expert_model_parallel_rank(),
+                          etp_size=ps.get_expert_tensor_parallel_world_size(),
+                          etp_rank=ps.get_expert_tensor_parallel_rank())
 
 
 def owned_numel(ranges: Iterable[OwnedRange]) -> int:

@@ -14,19 +14,18 @@ import yaml
 from nemo_dcr.integrations.nemo_rl.check import main as check
 from nemo_dcr.integrations.nemo_rl.config import ENGINE_PATH, PATH, ConfigError, DCRRefitConfig
 from tests.support.launch import REPO
-from tests.support.nemo_rl_import import NEMO_RL, import_nemo_rl
+from tests.support.nemo_rl_import import require_nemo_rl
 
 EXAMPLES = sorted((REPO / "examples" / "nemo_rl").glob("*.yaml"))
-CONFIGS = NEMO_RL / "examples" / "configs"
 
 
 @pytest.fixture(scope="module")
 def nemo_rl():
-    import_nemo_rl()
+    src = require_nemo_rl()
     from nemo_rl.utils.checkpoint_engines.base import create_checkpoint_engine
     from nemo_rl.weight_sync.checkpoint_engine_config import checkpoint_engine_refit_config
 
-    return checkpoint_engine_refit_config, create_checkpoint_engine
+    return checkpoint_engine_refit_config, create_checkpoint_engine, src / "examples" / "configs"
 
 
 def example_generation(name: str = "grpo_math_1B_megatron_dcr.yaml") -> dict:
@@ -40,9 +39,9 @@ def test_two_examples_dense_and_moe():
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_nemo_rl_accepts_the_examples_and_builds_the_engine(example, nemo_rl, capsys):
-    checkpoint_engine_refit_config, create_checkpoint_engine = nemo_rl
+    checkpoint_engine_refit_config, create_checkpoint_engine, configs = nemo_rl
     # what NeMo RL loads: its own GRPO config, inherited, with the example on top
-    assert check([str(example), "--configs", str(CONFIGS)]) == 0
+    assert check([str(example), "--configs", str(configs)]) == 0
     assert "NeMo RL's own validation" in capsys.readouterr().out
     gen = copy.deepcopy(yaml.safe_load(example.read_text())["policy"]["generation"])
     transport = gen["refit_cfg"][ENGINE_PATH]["transport"]
@@ -56,7 +55,7 @@ def test_nemo_rl_accepts_the_examples_and_builds_the_engine(example, nemo_rl, ca
 
 
 def test_nemo_rl_rejects_the_old_spelling(nemo_rl):
-    checkpoint_engine_refit_config, _ = nemo_rl
+    checkpoint_engine_refit_config, _, _ = nemo_rl
     gen = example_generation()
     gen["refit_transport"] = "dcr"
     with pytest.raises(ValueError, match="Unknown vLLM refit transport 'dcr'"):
@@ -92,7 +91,7 @@ def test_each_mistake_names_its_field(changes, expected, nemo_rl):
         DCRRefitConfig.parse(with_block(**changes))
     assert any(p.startswith(expected) for p in err.value.problems), err.value.problems
     # NeMo RL's factory surfaces the same error when it builds the engine
-    _, create_checkpoint_engine = nemo_rl
+    _, create_checkpoint_engine, _ = nemo_rl
     with pytest.raises(ConfigError, match="invalid NeMo-DCR refit config"):
         create_checkpoint_engine(ENGINE_PATH, bucket_size_bytes=1 << 20, engine_kwargs=with_block(**changes))
 

@@ -15,14 +15,14 @@ import torch.distributed as dist
 
 from nemo_dcr.errors import TransferFailed
 from nemo_dcr.integrations.nemo_rl.config import ENGINE_PATH
-from nemo_dcr.integrations.nemo_rl.mirror import UpdateFailed
+from nemo_dcr.integrations.nemo_rl.transfer_wait import UpdateFailed
 from tests.support.faults import FaultyEnd
-from tests.support.nemo_rl_import import import_nemo_rl
+from tests.support.nemo_rl_import import require_nemo_rl
 
 
 @pytest.fixture
 def engines(tmp_path):
-    import_nemo_rl()
+    require_nemo_rl()
     from nemo_rl.utils.checkpoint_engines.base import create_checkpoint_engine
 
     kwargs = {"transport": "local", "local": {"dir": str(tmp_path / "shm"), "timeout_s": 30}, "timeout_s": 30,
@@ -162,7 +162,7 @@ def test_an_export_that_changes_shape_is_refused_whole(engines):
 
 
 def test_settings_are_checked_when_nemo_rl_builds_the_engine():
-    import_nemo_rl()
+    require_nemo_rl()
     from nemo_rl.utils.checkpoint_engines.base import create_checkpoint_engine
 
     from nemo_dcr.integrations.nemo_rl import ConfigError

@@ -41,6 +41,7 @@ class MegatronPolicyWorker(MegatronCheckpointEngineSendMixin, PolicyCheckpointEn
         H.init_distributed(world, 1)
         self.rank = rank
         self.checkpoint = checkpoint
+        self.cfg = {"model_name": checkpoint}  # the part of NeMo RL's policy config an engine reads
         self.hf_config = AutoConfig.from_pretrained(checkpoint)
         layout = ParallelLayout(tp_size=world, tp_rank=ps.get_tensor_model_parallel_rank(),
                                 dp_size=H.dp_size(), dp_rank=H.dp_rank())

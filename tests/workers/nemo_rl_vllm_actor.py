@@ -69,6 +69,10 @@ class CpuCheckpointEngineExtension(VllmInternalWorkerExtensionWithCheckpointEngi
 
         return state_digests(self.model_runner.model.state_dict())
 
+    def engine_metrics(self) -> dict:
+        """The DCR engine's numbers for its last update on this worker."""
+        return dict(self.checkpoint_engine.last_metrics)
+
     def mirror_digests(self) -> dict[str, str]:
         """The DCR engine's canonical mirror (what it yields to vLLM's loader)."""
         return self.checkpoint_engine.rollout.receiver.digests()

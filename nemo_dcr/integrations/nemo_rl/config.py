@@ -71,6 +71,11 @@ class DCRRefitConfig(BaseModel):
     max_attempts: Annotated[int, Field(ge=1)] = 3
     wire_version: int = FORMAT_VERSION
     state_digest: bool = True
+    # The shard-local tier (needs NeMo RL with patches/nemo-rl/checkpoint-engine-shard-local
+    # .patch): capture from the optimizer's owned shards, apply in place in vLLM.
+    shard_local: bool = False
+    converter: str | None = Field(None, description="shard_local: the family's converter (default: HF model_type)")
+    converter_options: dict[str, Any] = Field(default_factory=dict)
     # NeMo RL's own fields of every checkpoint-engine block.
     update_weights_bucket_memory_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.05
     release_after_refit: bool = False
@@ -90,6 +95,16 @@ class DCRRefitConfig(BaseModel):
     def _writable(cls, value: int) -> int:
         if value not in WRITABLE_VERSIONS:
             raise ValueError(f"must be {writable_versions_text()} (the wire formats payloads can be written in)")
+        return value
+
+    @field_validator("converter")
+    @classmethod
+    def _known_converter(cls, value: str | None) -> str | None:
+        from nemo_dcr import registry
+
+        known = registry.available("nemo_dcr.converters")
+        if value is not None and value not in known:
+            raise ValueError(f"{value!r} is not one of: {', '.join(known)}")
         return value
 
     @field_validator("state_dir", "key_env")

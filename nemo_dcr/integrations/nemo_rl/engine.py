@@ -20,6 +20,11 @@ rank beside `receive_weight_batches` on every vLLM worker.
   loader. Otherwise nothing is yielded and the update raises: vLLM keeps serving v.
 - The first refit of a run resyncs every vLLM worker densely (their mirrors start empty,
   and vLLM starts on dummy weights); later refits send only changes.
+
+With `shard_local: true` and NeMo RL patched (patches/nemo-rl/), the workers hand the
+engine their models (`attach_policy_model`, `attach_rollout_model`): policy ranks then
+refit what their optimizer owns with no export, and vLLM workers apply in place
+(`update_in_place`) with no mirror and no dense load (`shard_local.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from nemo_dcr.integrations.nemo_rl.shares import SharedExportRefit, ensure_proce
 
 log = logging.getLogger("nemo_dcr.nemo_rl")
 
+PATCH = "patches/nemo-rl/checkpoint-engine-shard-local.patch"
+
 
 class DCRCheckpointEngine(CheckpointEngine):
     """One process's end of NeMo-DCR refits (a policy rank or a vLLM worker).
@@ -52,9 +59,36 @@ class DCRCheckpointEngine(CheckpointEngine):
         if int(bucket_size) < 1:
             raise ValueError(f"bucket_size must be positive, got {bucket_size!r}")
         self.bucket_size = int(bucket_size)
-        self.policy: SharedExportRefit | None = None
-        self.rollout: MirrorReceiver | None = None
+        self.policy = None  # SharedExportRefit, or shard_local.OwnedShardRefit
+        self.rollout = None  # MirrorReceiver, or shard_local.InPlaceReceiver
         self.last_metrics: dict[str, float] = {}
+        self._policy_model: dict | None = None  # what a patched NeMo RL hands over (shard_local)
+        self._rollout_model: dict | None = None
+
+    # -- the shard-local tier's hooks (called by a patched NeMo RL) ---------------------
+
+    @property
+    def reads_policy_shards(self) -> bool:
+        """Policy workers hand over model and optimizer; send_weights gets no export."""
+        return self.settings.shard_local
+
+    @property
+    def applies_in_place(self) -> bool:
+        """vLLM workers hand over their model; `update_in_place` replaces the yielded batches."""
+        return self.settings.shard_local
+
+    def attach_policy_model(self, *, model: Any, optimizer: Any, config: dict) -> None:
+        self._policy_model = {"model": model, "optimizer": optimizer, "model_name": config["model_name"]}
+
+    def attach_rollout_model(self, *, model: torch.nn.Module, vllm_config: Any) -> None:
+        load_format = getattr(vllm_config.load_config, "load_format", "auto")
+        self._rollout_model = {"model": model, "model_name": vllm_config.model_config.model,
+                               "tensor_parallel": int(vllm_config.parallel_config.tensor_parallel_size),
+                               "holds_checkpoint": str(getattr(load_format, "value", load_format)) != "dummy"}
+
+    def _unpatched(self, side: str) -> RuntimeError:
+        return RuntimeError(f"NeMo-DCR: shard_local: true, but NeMo RL's {side} did not hand the engine its model: "
+                            f"apply {PATCH} to NeMo RL, or set shard_local: false")
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -67,8 +101,15 @@ class DCRCheckpointEngine(CheckpointEngine):
             return
         self._check_peers(metadata)
         ensure_process_group(train_world_size)
-        self.policy = SharedExportRefit(self.settings, worker_rank, train_world_size,
-                                        rollout_receiver_ids(rollout_world_size))
+        receivers = rollout_receiver_ids(rollout_world_size)
+        if not self.settings.shard_local:
+            self.policy = SharedExportRefit(self.settings, worker_rank, train_world_size, receivers)
+            return
+        if self._policy_model is None:
+            raise self._unpatched("policy worker")
+        from nemo_dcr.integrations.nemo_rl.shard_local import OwnedShardRefit
+
+        self.policy = OwnedShardRefit(self.settings, receivers=receivers, **self._policy_model)
 
     def init_rollout_process_group(self, *, rollout_rank: int, train_world_size: int, rollout_world_size: int,
                                    metadata: list[Any]) -> None:
@@ -76,7 +117,15 @@ class DCRCheckpointEngine(CheckpointEngine):
             return
         self._check_peers(metadata)
         receiver_id = rollout_receiver_ids(rollout_world_size)[rollout_rank]
-        self.rollout = MirrorReceiver(self.settings, receiver_id, self.settings.build_transport())
+        if not self.settings.shard_local:
+            self.rollout = MirrorReceiver(self.settings, receiver_id, self.settings.build_transport())
+            return
+        if self._rollout_model is None:
+            raise self._unpatched("vLLM worker")
+        from nemo_dcr.integrations.nemo_rl.shard_local import InPlaceReceiver
+
+        self.rollout = InPlaceReceiver(self.settings, receiver_id, self.settings.build_transport(),
+                                       **self._rollout_model)
 
     @staticmethod
     def _check_peers(metadata: list[Any]) -> None:
@@ -102,16 +151,29 @@ class DCRCheckpointEngine(CheckpointEngine):
 
     # -- refits ------------------------------------------------------------------------
 
-    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None]) -> dict[str, float]:
+    async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None] | None
+                           ) -> dict[str, float]:
         """Every policy rank, collectively: one refit. Returns its metrics (complete on
-        rank 0); raises when it did not commit."""
+        rank 0); raises when it did not commit. `weights`: NeMo RL's export (None in the
+        shard-local tier, where the owned shards are read in place)."""
         if self.policy is None:
             raise RuntimeError("NeMo-DCR: send_weights before init_policy_process_group")
-        self.last_metrics = self.policy.send(weights)
+        self.last_metrics = self.policy.send() if self.settings.shard_local else self.policy.send(weights)
         return self.last_metrics
 
     async def receive_weight_batches(self) -> AsyncGenerator[list[tuple[str, torch.Tensor]], None]:
         if self.rollout is None:
             raise RuntimeError("NeMo-DCR: receive_weight_batches before init_rollout_process_group")
+        if self.settings.shard_local:
+            raise self._unpatched("vLLM worker")
         for batch in self.rollout.update(self.bucket_size):
             yield batch
+        self.last_metrics = dict(self.rollout.last)
+
+    def update_in_place(self) -> bool:
+        """The shard-local tier's vLLM update: apply the next transfer into the model."""
+        if not isinstance(self.rollout, MirrorReceiver) and self.rollout is not None:
+            ok = self.rollout.update()
+            self.last_metrics = dict(self.rollout.last)
+            return ok
+        raise RuntimeError("NeMo-DCR: update_in_place needs shard_local: true and a patched NeMo RL")

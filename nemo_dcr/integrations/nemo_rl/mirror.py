@@ -26,6 +26,7 @@ import torch
 from nemo_dcr import dtypes
 from nemo_dcr.control_auth import check
 from nemo_dcr.integrations.nemo_rl.config import DCRRefitConfig
+from nemo_dcr.integrations.nemo_rl.transfer_wait import UpdateFailed, finish_transfer
 from nemo_dcr.runtimes.base import UndoLog
 from nemo_dcr.runtimes.store import TensorStoreRuntime
 
@@ -54,8 +55,18 @@ def zeros_mirror(catalog: dict) -> MirrorRuntime:
     return MirrorRuntime(tensors)
 
 
-class UpdateFailed(RuntimeError):
-    """The transfer did not commit: the mirror and vLLM still hold the previous version."""
+def batches(names: list[str], tensors: dict, max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`(name, tensor)` lists of at most `max_bytes` each (a larger tensor goes alone)."""
+    batch, size = [], 0
+    for name in names:
+        tensor = tensors[name]
+        if batch and size + tensor.nbytes > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, tensor))
+        size += tensor.nbytes
+    if batch:
+        yield batch
 
 
 class MirrorReceiver:
@@ -77,72 +88,31 @@ class MirrorReceiver:
         UpdateFailed when it aborted or nothing was decided within `timeout_s`."""
         t0 = time.perf_counter()
         version = self.receiver.serving_version if self.receiver is not None else None
-        self._run_transfer()
+        done = self._run_transfer()
         rx = self.receiver
         runtime = rx.runtime
         names = list(runtime.tensors) if self.reload_all else [n for n in runtime.tensors if n in runtime.touched]
         runtime.touched.clear()
         self.last = {"version": rx.serving_version, "previous_version": version, "tensors": len(names),
-                     "resyncs": rx.resyncs, "receive_s": time.perf_counter() - t0}
+                     "resyncs": rx.resyncs, "stage_s": done.stage_s, "apply_s": done.apply_s}
         self.reload_all = True  # until every batch was taken: a load cut short leaves vLLM mixed
-        batch, size = [], 0
-        for name in names:
-            tensor = runtime.tensors[name]
-            if batch and size + tensor.nbytes > max_batch_bytes:
-                yield batch
-                batch, size = [], 0
-            batch.append((name, tensor))
-            size += tensor.nbytes
-        if batch:
+        t_load = time.perf_counter()  # between yields, vLLM loads what it was given
+        for batch in batches(names, runtime.tensors, max_batch_bytes):
             yield batch
         self.reload_all = False
+        self.last.update(load_s=time.perf_counter() - t_load, update_s=time.perf_counter() - t0)
 
-    def _run_transfer(self) -> None:
-        """Handle events until a transfer (not a resync) commits or is aborted."""
-        deadline = time.monotonic() + self.settings.timeout_s
-        begun: set[str] = set()
-        while True:
-            if time.monotonic() > deadline:
-                self._forget_touched()
-                raise UpdateFailed(f"receiver {self.id}: no transfer committed within {self.settings.timeout_s:.0f} s "
-                                   f"(serving version {self._serving()})")
-            event = self.end.poll(0.05)
-            if event is None:
-                continue
-            kind, meta = event.kind, event.meta
-            if kind == "catalog":
-                self._on_catalog(event)
-                continue
-            if self.receiver is None:  # nothing to take it with yet: the catalog comes first
-                if kind == "begin":
-                    log.warning("[%s] a transfer began before any catalog arrived; it is ignored", self.id)
-                event.release()
-                continue
-            rx = self.receiver
-            if kind == "begin":
-                info = meta.get("transfer") or {}
-                if not info.get("resync"):
-                    begun.add(str(meta.get("transfer_id")))
-            cur = rx.current
-            ours = cur is not None and not cur.info.resync and cur.info.transfer_id == meta.get("transfer_id")
-            alive = rx.handle(event)
-            if kind == "commit" and ours and rx.current is None:
-                return
-            if kind == "abort" and meta.get("transfer_id") in begun:
-                self._forget_touched()
-                raise UpdateFailed(f"receiver {self.id}: transfer {meta.get('transfer_id')} aborted: "
-                                   f"{meta.get('reason')} (serving version {rx.serving_version})")
-            if not alive:
-                self._forget_touched()
-                raise UpdateFailed(f"receiver {self.id}: the trainer shut the receivers down")
+    def _run_transfer(self):
+        try:
+            return finish_transfer(lambda: self.receiver, self.end, self.id, self.settings.timeout_s, self._on_catalog)
+        except UpdateFailed:
+            self._forget_touched()
+            raise
 
     def _forget_touched(self) -> None:
         # What a failed transfer wrote was reverted: vLLM already holds those tensors.
         if self.receiver is not None:
             self.receiver.runtime.touched.clear()
-
-    def _serving(self):
-        return None if self.receiver is None else self.receiver.serving_version
 
     def _on_catalog(self, event) -> None:
         meta = event.meta

@@ -45,6 +45,7 @@ class ExportShares:
         self.buffers: dict[str, torch.Tensor] = {}  # name -> this rank's flat chunk (may be empty)
         self.bounds: dict[str, tuple[int, int]] = {}
         self.read_bytes = 0  # what the last `absorb` copied out of the stream
+        self.stream_bytes = 0  # ... and what the stream held (every tensor, whole)
 
     def absorb(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Read the whole stream, copying this rank's chunk of each tensor. The stream is
@@ -53,7 +54,7 @@ class ExportShares:
         first = not self.specs
         seen: set[str] = set()
         problems: list[str] = []
-        self.read_bytes = 0
+        self.read_bytes = self.stream_bytes = 0
         for name, tensor in weights:
             try:
                 self._take(name, tensor, first)
@@ -90,6 +91,7 @@ class ExportShares:
             raise ValueError(f"{name!r} is {spec[0]} {spec[1]} now, {self.specs.get(name, 'absent')} at the first "
                              f"refit: the model's shapes cannot change between refits")
         start, stop = self.bounds[name]
+        self.stream_bytes += tensor.numel() * tensor.element_size()
         if stop > start:
             self.buffers[name].copy_(tensor.detach().reshape(-1)[start:stop])
             self.read_bytes += (stop - start) * tensor.element_size()
@@ -117,6 +119,32 @@ def ensure_process_group(world: int) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
+def commit_state_dir(settings: DCRRefitConfig, rank: int) -> str:
+    """Where rank 0 keeps the commit records: the configured folder, else a fresh one per
+    run (a new lineage; its first refit is dense anyway). The s3 transport keeps them in
+    its bucket, and only rank 0 writes any."""
+    if settings.state_dir is not None:
+        return settings.state_dir
+    return "" if settings.transport == "s3" or rank != 0 else tempfile.mkdtemp(prefix="nemo-dcr-commits-")
+
+
+def refit_once(trainer_refit, number: int) -> dict:
+    """One refit of `trainer_refit` (collective); its numeric metrics.
+    A refit that did not commit is logged and raised (TransferFailed)."""
+    try:
+        result = trainer_refit.refit()
+    except TransferFailed:
+        log.error("NeMo-DCR refit %d failed: nothing committed, every vLLM worker keeps serving version %d",
+                  number, trainer_refit.baseline.version)
+        raise
+    metrics = {k: float(v) for k, v in result.metrics().items() if isinstance(v, (int, float))}
+    if trainer_refit.rank == 0:
+        log.info("refit to version %d: %d changed elements, %d wire bytes, %d receiver(s) resynced densely, "
+                 "%.2f s", result.decision.version, result.changed_elements, result.wire_bytes,
+                 len(result.resynced), result.seconds)
+    return metrics
+
+
 class SharedExportRefit:
     """One policy rank's refit over its shares (built at the first refit)."""
 
@@ -132,10 +160,7 @@ class SharedExportRefit:
         from nemo_dcr.trainer import TrainerRefit
 
         s = self.settings
-        state_dir = s.state_dir
-        if state_dir is None:  # a new lineage per run; s3 keeps its commit records in the bucket
-            state_dir = "" if s.transport == "s3" or self.shares.rank != 0 else tempfile.mkdtemp(
-                prefix="nemo-dcr-commits-")
+        state_dir = commit_state_dir(s, self.shares.rank)
         self.transport = s.build_transport(self.receivers)
         self.refit = TrainerRefit(
             registry.converter("identity", None), dict(self.shares.specs), self.shares.owned_ranges(),
@@ -166,19 +191,9 @@ class SharedExportRefit:
         if self.refit.coordinator is not None:  # receivers build their canonical mirror from it
             self.refit.coordinator.announce_catalog(self.shares.specs)
         self.refits += 1
-        try:
-            result = self.refit.refit()
-        except TransferFailed:
-            log.error("NeMo-DCR refit %d failed: nothing committed, every vLLM worker keeps serving version %d",
-                      self.refits, self.refit.baseline.version)
-            raise
-        metrics = {k: float(v) for k, v in result.metrics().items()
-                   if isinstance(v, (int, float)) and not isinstance(v, str)}
-        metrics.update(export_read_s=export_s, export_read_bytes=float(self.shares.read_bytes))
-        if self.shares.rank == 0:
-            log.info("refit to version %d: %d changed elements, %d wire bytes, %d receiver(s) resynced densely, "
-                     "%.2f s", result.decision.version, result.changed_elements, result.wire_bytes,
-                     len(result.resynced), result.seconds)
+        metrics = refit_once(self.refit, self.refits)
+        metrics.update(export_read_s=export_s, export_read_bytes=float(self.shares.read_bytes),
+                       export_stream_bytes=float(self.shares.stream_bytes))
         return metrics
 
     def close(self, shutdown_receivers: bool = False) -> None:
