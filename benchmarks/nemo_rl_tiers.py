@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import machine_info  # noqa: E402
 from tests.support.nemo_rl_grpo import patched_nemo_rl, run_grpo  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "nemo_rl_tiers.json"
@@ -67,8 +68,8 @@ def main() -> int:
                 result = run_grpo(Path(tmp) / f"{tier}{i}.json", *extra)
                 runs[tier].append(summary(result))
                 print(f"round {i} {tier}: {runs[tier][-1]['median']}", flush=True)
-    report = {"steps": args.steps, "rounds": args.rounds, "model": "qwen3 2 layers, hidden 128 (853,760 B BF16)",
-              "runs": runs}
+    report = {"machine": machine_info(), "steps": args.steps, "rounds": args.rounds,
+              "model": "qwen3 2 layers, hidden 128 (853,760 B BF16)", "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}")
