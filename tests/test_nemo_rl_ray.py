@@ -58,3 +58,10 @@ def test_shard_local_tier_beside_the_zero_patch_tier(export_tier, tmp_path):
         assert all(0 < p["owned_read_bytes"] < 0.6 * pb["dense_bytes"] for p in b["policy"])
         assert b["vllm"]["load_s"] == 0 and "tensors" not in b["vllm"]  # applied in place: no dense load
         assert b["returned_by_sync_weights"]["version"] == pb["version"]  # NeMo RL logs them under refit/
+    # what benchmarks/nemo_rl_tiers.py reports of such runs
+    from benchmarks.nemo_rl_tiers import summary
+
+    rows = {tier: summary(result)["rows"] for tier, result in (("export", export_tier), ("local", local))}
+    assert [r["step"] for r in rows["local"]] == [1, 2, 3] == [r["step"] for r in rows["export"]]
+    assert all(r["vllm_tensors_loaded"] == 0 and r["export_streamed_per_rank"] == [0, 0] for r in rows["local"])
+    assert all(r["vllm_tensors_loaded"] > 0 for r in rows["export"])
