@@ -1,8 +1,10 @@
 """`DCRCheckpointEngine` on both sides of NeMo RL's interface, in one process: one policy
 rank (built by NeMo RL's `create_checkpoint_engine`, fed a plain tensor stream) and two
 vLLM-side engines whose `receive_weight_batches` runs on threads, as NeMo RL runs them
-beside `send_weights`. Real local transport; every refit checked bit for bit against the
-trainer's tensors. The Ray / Megatron / vLLM version is tests/test_nemo_rl_ray.py."""
+beside `send_weights`. Each transport is chosen by configuration alone (local shared
+memory, a relay tree on loopback, an S3-compatible server); every refit is checked bit
+for bit against the trainer's tensors. The Ray / Megatron / vLLM version is
+tests/test_nemo_rl_ray.py."""
 
 from __future__ import annotations
 
@@ -17,15 +19,35 @@ from nemo_dcr.errors import TransferFailed
 from nemo_dcr.integrations.nemo_rl.config import ENGINE_PATH
 from nemo_dcr.integrations.nemo_rl.transfer_wait import UpdateFailed
 from tests.support.faults import FaultyEnd
+from tests.support.launch import free_port
+from tests.support.s3_server import shared_moto
+from tests.support.transports import TRANSPORTS
 from tests.support.nemo_rl_import import require_nemo_rl
 
 
-@pytest.fixture
-def engines(tmp_path):
+def transport_section(name: str, tmp_path, monkeypatch) -> dict:
+    """The engine block's transport settings for `name`, on this test's own resources
+    (S3 credentials from the environment, as the engine's settings require)."""
+    receivers = ["rollout0", "rollout1"]
+    if name == "local":
+        return {"dir": str(tmp_path / "shm"), "timeout_s": 30}
+    if name == "relay":
+        return {"nodes": [{"id": r, "endpoint": f"tcp://127.0.0.1:{free_port()}"} for r in receivers],
+                "coordinator": f"tcp://127.0.0.1:{free_port()}", "timeout_s": 30}
+    server = shared_moto()
+    config = server.config(server.new_bucket(), poll_s=0.02, timeout_s=30)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", config.pop("access_key"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", config.pop("secret_key"))
+    return config
+
+
+@pytest.fixture(params=TRANSPORTS)
+def engines(request, tmp_path, monkeypatch):
     require_nemo_rl()
     from nemo_rl.utils.checkpoint_engines.base import create_checkpoint_engine
 
-    kwargs = {"transport": "local", "local": {"dir": str(tmp_path / "shm"), "timeout_s": 30}, "timeout_s": 30,
+    name = request.param
+    kwargs = {"transport": name, name: transport_section(name, tmp_path, monkeypatch), "timeout_s": 30,
               "max_attempts": 1, "max_payload_elements": 4096, "release_after_refit": False}
 
     def make():
