@@ -16,9 +16,6 @@ vLLM's post-load processing after applying.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,65 +31,16 @@ from nemo_dcr.layout import ParallelLayout
 from nemo_dcr.records import Op
 from nemo_dcr.trainer import TrainerRefit
 from nemo_dcr.verify import compare_digests, state_digests
-from tests.support.vllm_venv import VLLM_PYTHON, require_vllm_venv
+from tests.support.vllm_venv import VLLMWorker, require_vllm_venv
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77]]
-TOKENS = 16
 BF16_ODD = [0x8000, 0x0001, 0x8001, 0x0080]  # -0.0, subnormals, smallest normal
 BF16_WILD = [0x7FC1, 0xFFFF, 0x7F81, 0x7F80, 0x7F7F, 0xFF7F]  # NaN payloads, inf, +-max: version 1 only
 
 pytestmark = [pytest.mark.usefixtures("single_rank_group"), pytest.mark.timeout(900)]
-
-
-class VLLMWorker:
-    """One vLLM `LLM` in a subprocess of the vLLM venv, driven by JSON lines."""
-
-    def __init__(self, model: Path, log: Path, ext: str, load_format: str = "auto"):
-        env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING",
-                   TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-        self.log = log
-        self.proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "tests.workers.vllm_worker", "--model", str(model),
-                                      "--ext", ext, "--load-format", load_format], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
-        self.ready = None
-
-    def read(self, what: str = "reply"):
-        line = self.proc.stdout.readline()
-        if not line:
-            tail = self.log.read_text()[-4000:] if self.log.exists() else ""
-            raise AssertionError(f"vLLM worker exited before its {what} (rc={self.proc.poll()}):\n{tail}")
-        reply = json.loads(line)
-        if not reply["ok"]:
-            raise AssertionError(f"vLLM worker: {reply['error']}")
-        return reply["result"]
-
-    def send(self, **cmd) -> None:
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def call(self, **cmd):
-        self.send(**cmd)
-        return self.read(cmd.get("method", cmd["op"]))
-
-    def rpc(self, method: str, *args, **kwargs):
-        (result,) = self.call(op="rpc", method=method, args=list(args), kwargs=kwargs)  # one worker (TP=1)
-        return result
-
-    def generate(self, prompt) -> list[int]:
-        return self.call(op="generate", prompt=prompt, max_tokens=TOKENS)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send(op="exit")
-                self.proc.wait(timeout=30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # -- versions: canonical bits made in this process ------------------------------------------

@@ -573,6 +573,8 @@ class DCRWorkerExtension:
                 if time.monotonic() > deadline:
                     out["reason"] = (f"receiver {rx.id}: no commit of version {expected} within {timeout_s:.0f} s "
                                      f"(serving {rx.serving_version})")
+                    # Reported as failed: a later abort of these transfers is not the next update's.
+                    self._dcr_done.update(self._dcr_begun)
                     break
                 event = self._dcr_next_event(poll_s)
                 if event is None:

@@ -170,10 +170,9 @@ class SharedExportRefit:
             wire_version=s.wire_version, max_attempts=s.max_attempts, state_digest=s.state_digest,
             log=log.warning)
 
-    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
-        """Collective over the policy ranks: read the export, then one refit. Returns the
-        refit's metrics (complete on rank 0); raises TransferFailed when it did not commit,
-        and ValueError (on every rank) when the export cannot be refit."""
+    def _absorb(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Collective: read the stream into the shares (seconds taken); ValueError on
+        every rank when any rank refused it."""
         from nemo_dcr.trainer import bcast_json, gather_json
 
         t0 = time.perf_counter()
@@ -185,7 +184,19 @@ class SharedExportRefit:
         problems = bcast_json([p for p in gather_json(problem) or [] if p])
         if problems:
             raise ValueError("NeMo-DCR: the exported weights cannot be refit: " + "; ".join(problems))
-        export_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def establish(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Collective: take these weights as the committed version the receivers hold
+        (their digests are checked at the first refit; any that differ are resynced)."""
+        self._absorb(weights)
+        self._build()
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        """Collective over the policy ranks: read the export, then one refit. Returns the
+        refit's metrics (complete on rank 0); raises TransferFailed when it did not commit,
+        and ValueError (on every rank) when the export cannot be refit."""
+        export_s = self._absorb(weights)
         if self.refit is None:
             self._build()
         if self.refit.coordinator is not None:  # receivers build their canonical mirror from it
