@@ -7,6 +7,14 @@ vllm_dcr_offline.py`): three refits, each compared here with a fresh vLLM load o
 trainer's weights (every parameter in loader format, and greedy tokens); then a corrupted,
 a forged and a cut-off update, each refused with the engine serving what it served; and
 a refit that recovers, compared with a fresh load too.
+
+Online: `vllm serve`'s launcher with `--weight-transfer-config '{"backend": "dcr"}'`,
+refit three times by a trainer that reaches it only through its HTTP RL routes
+(`tests/workers/vllm_dcr_online.py`), while another client keeps generating; after each
+refit the server's weight checksums (`/weight_checker`) and greedy tokens equal a fresh
+load's.
+
+The fresh loads of a run start together (one vLLM process per version).
 """
 
 from __future__ import annotations
@@ -26,22 +34,42 @@ pytestmark = pytest.mark.timeout(900)
 PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77, 19, 201, 8]]
 
 
-@pytest.fixture(scope="module")
-def offline(tmp_path_factory):
+def run(worker: str, tmp, **env) -> dict:
+    """A driver in the vLLM venv on a fresh tiny Qwen3 checkpoint; its JSON report."""
     require_vllm_venv()
-    tmp = tmp_path_factory.mktemp("vllm_dcr")
     # head_dim 64 (vLLM's CPU attention), vocab a multiple of 64 (vLLM's padding)
     ckpt = make_checkpoint(tmp / "v0", family="qwen3", hidden=128, layers=2, heads=2, kv_heads=2, ffn=256,
                            vocab=384, seed=7)
-    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", DCR_HMAC_KEY="offline-test-key")
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               DCR_HMAC_KEY="weight-transfer-test-key", **env)
     out = tmp / "run"
-    proc = subprocess.run([str(VLLM_PYTHON), "-m", "tests.workers.vllm_dcr_offline", "--model", str(ckpt),
-                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=800)
-    (tmp / "offline.log").write_text(proc.stdout + proc.stderr)
+    out.mkdir()
+    proc = subprocess.run([str(VLLM_PYTHON), "-m", worker, "--model", str(ckpt), "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=800)
+    (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {"result": json.loads(proc.stdout.strip().splitlines()[-1]), "out": out, "tmp": tmp}
+
+
+def fresh_loads(job: dict, steps: list[int]) -> dict[int, VLLMWorker]:
+    """A fresh vLLM load of the trainer's weights after each step, all started at once."""
+    workers = {k: VLLMWorker(job["out"] / f"step{k}", job["tmp"] / f"fresh{k}.log",
+                             "nemo_dcr.runtimes.vllm.DCRWorkerExtension") for k in steps}
+    for w in workers.values():
+        w.read("start-up")
+    return workers
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory):
+    return run("tests.workers.vllm_dcr_offline", tmp_path_factory.mktemp("vllm_dcr_offline"),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+
+@pytest.fixture(scope="module")
+def online(tmp_path_factory):
+    return run("tests.workers.vllm_dcr_online", tmp_path_factory.mktemp("vllm_dcr_online"))
 
 
 def test_offline_llm_refits_through_the_dcr_backend(offline):
@@ -54,13 +82,30 @@ def test_offline_llm_refits_through_the_dcr_backend(offline):
     faults = offline["result"]["faults"]
     assert "checksum mismatch" in faults["corrupt"] and "HMAC mismatch" in faults["forge"]
     assert faults["drop"]  # a payload that never arrived: nothing applied, the update timed out
-    for s in steps:  # every committed version equals a fresh vLLM load of the trainer's weights
-        export = offline["out"] / f"step{s['step']}"
-        served = json.loads((offline["out"] / f"step{s['step']}.json").read_text())
-        fresh = VLLMWorker(export, offline["tmp"] / f"fresh{s['step']}.log", "nemo_dcr.runtimes.vllm.DCRWorkerExtension")
-        try:
-            fresh.read("start-up")
-            assert fresh.rpc("dcr_loader_digests", str(export)) == served["digests"], f"step {s['step']}"
-            assert [fresh.generate(p) for p in PROMPTS] == served["tokens"], f"step {s['step']}"
-        finally:
-            fresh.close()
+    fresh = fresh_loads(offline, [s["step"] for s in steps])
+    try:  # every committed version equals a fresh vLLM load of the trainer's weights
+        for k, worker in fresh.items():
+            served = json.loads((offline["out"] / f"step{k}.json").read_text())
+            assert worker.rpc("dcr_loader_digests", str(offline["out"] / f"step{k}")) == served["digests"], k
+            assert [worker.generate(p) for p in PROMPTS] == served["tokens"], k
+    finally:
+        for worker in fresh.values():
+            worker.close()
+
+
+def test_vllm_serve_refits_over_its_http_routes_while_serving(online):
+    result = online["result"]
+    steps = result["steps"]
+    assert [s["version"] for s in steps] == [1, 2, 3]
+    assert [s["weight_version"] for s in steps] == ["1", "2", "3"]
+    assert all(s["wire_bytes"] < s["dense_bytes"] / 4 for s in steps)
+    assert result["requests"] >= 6 and result["failures"] == []  # generation went on throughout
+    fresh = fresh_loads(online, [s["step"] for s in steps])
+    try:
+        for k, worker in fresh.items():
+            served = json.loads((online["out"] / f"step{k}.json").read_text())
+            assert worker.rpc("compute_weight_checksums") == served["checksums"], k
+            assert [worker.generate(p) for p in PROMPTS] == served["tokens"], k
+    finally:
+        for worker in fresh.values():
+            worker.close()
