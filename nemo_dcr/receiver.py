@@ -406,6 +406,7 @@ class Receiver:
             return self._reply_applied(cur, f"payloads not in any manifest: {sorted(unlisted)[:3]}")
         t = time.perf_counter()
         applied = []
+        failed = None
         try:
             with self.runtime.batch():  # the pause: nothing else touches the runtime until it ends
                 for pid in todo:  # journal: started -> apply (all or nothing per call) -> finished
@@ -418,12 +419,18 @@ class Receiver:
                             lin.started.discard(pid)  # the adapter put every bit back: not applied, not uncertain
                         elif self.digest_scope == "all":
                             self.rescan()  # what it left behind, read back: the retry's overwrites move on from it
-                        return self._reply_applied(cur, f"apply failed (payload {pid}): {type(e).__name__}: {e}")
+                        failed = f"apply failed (payload {pid}): {type(e).__name__}: {e}"
+                        break
                     lin.finished[pid] = undo  # the undo log keeps what revert needs
                     lin.moved[pid] = undo.digest.hex() if undo.digest is not None else None
                     applied.append((pid, records))
+        except Exception as e:  # noqa: BLE001 - the batch's finishing work (post-load processing) failed
+            failed = f"apply failed at the end of the batch: {type(e).__name__}: {e}"
+            self._revert_batch(lin, [pid for pid, _ in applied])
         finally:
             cur.apply_s = time.perf_counter() - t
+        if failed:
+            return self._reply_applied(cur, failed)
         if cur.info.readback and self.readback_scope != "none":
             # After the pause, one read of the runtime's state: payloads touch disjoint positions,
             # so each one's regions read back now as they were right after its apply.
@@ -436,6 +443,18 @@ class Receiver:
         cur.applied_payloads = payload_set_digest(lin.finished)
         self._reply_applied(cur, None)
         lin.complete = True
+
+    def _revert_batch(self, lin: _Lineage, pids: list[str]) -> None:
+        """Undo the payloads one batch applied (newest first): its finishing step failed."""
+        for pid in reversed(pids):
+            undo = lin.finished.pop(pid)
+            lin.moved.pop(pid, None)
+            try:
+                self.revert(undo)
+            except Exception as e:  # noqa: BLE001 - the bits are unknown now, whatever raised
+                self.uncertain_state = f"reverting payload {pid} after a failed batch failed ({type(e).__name__}: {e})"
+                return
+            lin.started.discard(pid)
 
     def _reply_applied(self, cur: _Transfer, error: str | None) -> None:
         cur.replied = True

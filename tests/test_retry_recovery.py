@@ -9,7 +9,7 @@ import pytest
 from nemo_dcr.errors import TransferFailed
 from nemo_dcr.records import Op
 from nemo_dcr.verify import bit_mismatches
-from tests.support.faults import FaultyEnd, HalfApply, SilentCorruption
+from tests.support.faults import FaultyEnd, FaultyRuntime, HalfApply, SilentCorruption
 from tests.support.wait import serving, until
 from tests.test_local_refit import Setup, checkpoint  # noqa: F401 - the module-scoped checkpoint fixture
 
@@ -61,6 +61,24 @@ def test_half_applied_payload_is_repaired_by_overwrites(checkpoint, tmp_path, op
         s.step()  # the next transfer is an ordinary delta against v1
         assert s.refit.refit().attempts == 1
         serving(s.receivers, 2)
+        _exact(s)
+    finally:
+        s.close()
+
+
+def test_a_batch_whose_end_fails_is_reverted_whole_and_retried(checkpoint, tmp_path):
+    """rx0's runtime fails when its batch ends (after every apply of the batch succeeded):
+    the receiver reverts all of them, answers the error, and the retry re-sends them;
+    both receivers end bit-exact at v1."""
+    runtimes = {}
+    s = Setup(checkpoint, tmp_path, runtime_wrapper=lambda rx, rt: runtimes.setdefault(rx, FaultyRuntime(rt)))
+    try:
+        runtimes["rx0"].fail_batch_end = True
+        s.step()
+        result = s.refit.refit()
+        assert result.decision.committed and result.attempts == 2
+        assert not runtimes["rx0"].fail_batch_end  # it did fail once
+        serving(s.receivers, 1)
         _exact(s)
     finally:
         s.close()

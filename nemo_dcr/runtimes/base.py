@@ -79,11 +79,14 @@ class RuntimeAdapter(ABC):
         """
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
-        """A context for a run of `apply` (and `revert`) calls that nothing else touches
-        the runtime between (a receiver's pause): an adapter may check once, for all of
-        them, what it otherwise checks on every call (that the model's storage and loaders
-        are still those its plans were made for). Each call keeps its own all-or-nothing
-        contract. Default: nothing shared."""
+        """A context for a run of `apply` calls that nothing else touches the runtime
+        between (a receiver's pause): an adapter may check once, for all of them, what it
+        otherwise checks on every call (that the model's storage and loaders are still
+        those its plans were made for), and may finish once, at the end, work each call
+        would otherwise finish (a serving runtime's post-load processing). Each call keeps
+        its own all-or-nothing contract; if the finishing work fails, leaving the context
+        raises, and the caller reverts every call the batch applied. Default: nothing
+        shared."""
         return contextlib.nullcontext()
 
     @abstractmethod

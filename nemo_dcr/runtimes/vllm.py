@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -271,14 +271,26 @@ class VLLMRuntime(NativeLoaderAdapter):
         if isinstance(step, _Restore):
             self._touched.update(storage_key(dst) for dst, _ in step.items)
 
+    @contextmanager
     def batch(self):
-        # No layout shared across calls: the post-load processing after every apply may
-        # rebind a layer's parameters (kernel formats), which the next call must see.
-        return nullcontext()
+        """vLLM's post-load processing (a kernel format built from the loader-format
+        weights) runs once, at the end, for every layer the batch's applies wrote, not
+        after each apply: the applies write only loader-format weights, so no layout is
+        rebound in between."""
+        self._batch_touched: set[int] | None = set()
+        try:
+            yield
+            touched, self._batch_touched = self._batch_touched, None
+            self._reprocess(touched)
+        finally:
+            self._batch_touched = None
 
     def apply(self, records: Sequence[Record]) -> UndoLog:
         self._touched: set[int] = set()
         log = super().apply(records)
+        if getattr(self, "_batch_touched", None) is not None:
+            self._batch_touched.update(self._touched)  # processed when the batch ends
+            return log
         try:
             self._reprocess(self._touched)
         except BaseException as exc:

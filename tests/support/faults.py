@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from nemo_dcr import dtypes
@@ -32,9 +33,13 @@ class FaultyRuntime(RuntimeAdapter):
       them written (an apply interrupted between records);
     - "crash": the same, then raise ReceiverCrash (the receiver dies mid-apply);
     - "silent": apply everything, then flip one written bit and return normally.
+
+    `fail_batch_end`: the next `batch()` fails when it ends, after its applies succeeded
+    (a serving runtime's post-load processing failing once per batch).
     """
 
     MODES = ("half", "crash", "silent")
+    fail_batch_end = False
 
     def __init__(self, inner: RuntimeAdapter, mode: str = "half", crash_on: Sequence[int] = ()):
         if mode not in self.MODES:
@@ -52,6 +57,14 @@ class FaultyRuntime(RuntimeAdapter):
 
     def check(self, records: Sequence[Record]) -> None:
         self.inner.check(records)
+
+    @contextlib.contextmanager
+    def batch(self):
+        with self.inner.batch():
+            yield
+        if self.fail_batch_end:
+            self.fail_batch_end = False
+            raise ApplyError("injected: the batch's post-load processing failed")
 
     def apply(self, records: Sequence[Record]) -> UndoLog:
         self.calls += 1
