@@ -243,7 +243,9 @@ class Coordinator:
         return replies
 
     def shutdown(self) -> None:
-        self._broadcast("shutdown", {"nonce": uuid.uuid4().hex})
+        """Stop every receiver. Signed with its time of issue and a fresh nonce: a
+        receiver takes a shutdown once, and only while it is fresh (control_auth)."""
+        self._broadcast("shutdown", {"nonce": uuid.uuid4().hex, "issued_at": time.time()})
 
 
 def readback_mismatch(expected: dict[str, dict[str, str]], reply: dict) -> tuple[str | None, list[str]]:

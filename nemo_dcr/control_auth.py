@@ -9,6 +9,8 @@ requires the fields that give the message its meaning (`REQUIRED`), so a valid M
 be moved onto a message that says something else. A replayed message is harmless by
 construction: every one names its transfer (random id) or version, and receivers and the
 coordinator ignore messages for a transfer or version that is not the current one.
+A shutdown names no transfer, so it carries its time of issue and a nonce: a receiver
+takes it only within `SHUTDOWN_MAX_AGE_S` of that time and only once (`shutdown_problem`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ REQUIRED = {
     "commit": {"transfer_id", "version"},
     "abort": {"transfer_id", "reason"},
     "verify": {"transfer_id"},
-    "shutdown": {"nonce"},
+    "shutdown": {"nonce", "issued_at"},
     "catalog": {"catalog", "version"},
     "ready": {"transfer_id", "receiver", "error"},
     "applied": {"transfer_id", "receiver", "error"},
@@ -32,6 +34,25 @@ REQUIRED = {
     "deltas": {"version", "payloads"},
     "anchors": {"version", "payloads"},
 }
+
+
+# How old a signed shutdown may be when it arrives (clocks of different hosts included).
+SHUTDOWN_MAX_AGE_S = 300.0
+
+
+def shutdown_problem(meta: dict, seen: set[str], now: float) -> str | None:
+    """Why an authenticated shutdown must be ignored (None when it may be taken): it is
+    stale, from the future, or its nonce was taken before (`seen`, updated here)."""
+    issued, nonce = meta.get("issued_at"), meta.get("nonce")
+    if isinstance(issued, bool) or not isinstance(issued, (int, float)) or not isinstance(nonce, str):
+        return "a shutdown without its time of issue or nonce"
+    if abs(now - issued) > SHUTDOWN_MAX_AGE_S:
+        return (f"a shutdown issued {now - issued:.0f} s from now (more than {SHUTDOWN_MAX_AGE_S:.0f} s: replayed, "
+                f"or the clocks are that far apart)")
+    if nonce in seen:
+        return "a replayed shutdown (its nonce was taken already)"
+    seen.add(nonce)
+    return None
 
 
 def _mac(key: bytes, kind: str, fields: dict) -> str:

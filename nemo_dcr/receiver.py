@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from nemo_dcr import codec
 from nemo_dcr.commit import payload_set_digest
-from nemo_dcr.control_auth import check, sign
+from nemo_dcr.control_auth import check, shutdown_problem, sign
 from nemo_dcr.catchup import catch_up
 from nemo_dcr.errors import ApplyError, DCRError, PayloadRejected, TransportError
 from nemo_dcr.digest import StateDigest
@@ -139,6 +139,7 @@ class Receiver:
         if self.digest_scope == "all":
             self.rescan()
         self.resyncs = 0  # dense resyncs this receiver took
+        self._shutdowns: set[str] = set()  # nonces of the shutdowns taken (a replay is ignored)
 
     # --- the whole-state digest -------------------------------------------------------
 
@@ -245,7 +246,10 @@ class Receiver:
             elif kind == "verify":
                 self._on_verify(meta)
             elif kind == "shutdown":
-                return False
+                why = shutdown_problem(meta, self._shutdowns, time.time()) if self.key is not None else None
+                if why is None:
+                    return False
+                self.log(f"[{self.id}] ignored a control message: {why}")
         finally:
             event.release()
         return True

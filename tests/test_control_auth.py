@@ -55,6 +55,44 @@ def test_forged_control_messages_change_nothing(checkpoint, tmp_path):  # noqa: 
         s.close()
 
 
+def test_a_captured_shutdown_cannot_be_replayed(checkpoint, tmp_path):  # noqa: F811
+    """A signed shutdown taken off the wire and sent again later is ignored: stale after
+    SHUTDOWN_MAX_AGE_S, and by a receiver that took its nonce already."""
+    import torch
+
+    from nemo_dcr import registry
+    from nemo_dcr.control_auth import SHUTDOWN_MAX_AGE_S
+    from nemo_dcr.receiver import Receiver
+    from nemo_dcr.runtimes.store import TensorStoreRuntime
+    from nemo_dcr.transport import Event
+
+    s = Setup(checkpoint, tmp_path, key=KEY)
+    try:
+        s.step()
+        assert s.refit.refit().decision.version == 1
+        captured = sign(KEY, "shutdown", {"nonce": "n-1", "issued_at": time.time() - SHUTDOWN_MAX_AGE_S - 60})
+        replayer = s.transport.coordinator()  # an intruder that reaches the receivers' sockets
+        replayer.broadcast("shutdown", captured)  # a replay, minutes late
+        replayer.close()
+        time.sleep(0.5)
+        assert all(t.is_alive() for t in s.threads)  # nobody shut down
+        s.step()
+        assert s.refit.refit().decision.committed
+    finally:
+        s.close()
+    end = registry.transport("local", {"dir": str(tmp_path / "shm2")}, receivers=["rx"]).receiver("rx")
+    rx = Receiver("rx", TensorStoreRuntime({"w": torch.zeros(4)}), end, key=KEY)
+    try:
+        fresh = sign(KEY, "shutdown", {"nonce": "n-2", "issued_at": time.time()})
+        assert rx.handle(Event("shutdown", dict(fresh))) is False  # taken: stop
+        assert rx.handle(Event("shutdown", dict(fresh))) is True  # the same message again: ignored
+        ahead = sign(KEY, "shutdown", {"nonce": "n-3", "issued_at": time.time() + SHUTDOWN_MAX_AGE_S + 60})
+        assert rx.handle(Event("shutdown", ahead)) is True
+        assert rx.handle(Event("shutdown", sign(KEY, "shutdown", {"nonce": "n-4"}))) is True  # signs too little
+    finally:
+        end.close()
+
+
 def test_a_receiver_with_another_key_is_named(checkpoint, tmp_path):  # noqa: F811
     s = Setup(checkpoint, tmp_path, key=KEY, receiver_key=b"other-key")
     try:
