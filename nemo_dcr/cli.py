@@ -156,9 +156,7 @@ def _demo_transport_config(args, receivers: list[str], stack: contextlib.ExitSta
         if args.s3_endpoint:
             return {"endpoint_url": args.s3_endpoint, "bucket": args.s3_bucket,
                     "prefix": f"nemo-dcr-demo-{os.getpid()}", "timeout_s": args.timeout}
-        from tests.support.s3_server import (
-            s3_server,  # an S3-compatible server on loopback
-        )
+        from nemo_dcr.local_s3 import s3_server  # an S3-compatible server on loopback (moto)
 
         print("[demo] starting a local S3-compatible server (moto) for the s3 transport", flush=True)
         return {**stack.enter_context(s3_server()), "timeout_s": args.timeout}
