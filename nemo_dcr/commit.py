@@ -86,6 +86,11 @@ class DirectoryCommitLog(CommitLog):
             os.close(fd)
 
 
+def commit_log_for(transport, state_dir: str) -> CommitLog:
+    """The transport's own commit log, else files in `state_dir`."""
+    return transport.commit_log(state_dir) or DirectoryCommitLog(state_dir)
+
+
 class Coordinator:
     def __init__(self, end: CoordinatorEnd, log: CommitLog, *, timeout_s: float = 300.0, key: bytes | None = None):
         """`key`: the shared HMAC key; control messages are then signed and replies checked."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from nemo_dcr.baseline import Baseline, fingerprint
 from nemo_dcr.codec import FORMAT_VERSION
-from nemo_dcr.commit import Coordinator, Decision
+from nemo_dcr.commit import Coordinator, Decision, commit_log_for
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.digest import StateDigest, add_hex
 from nemo_dcr.errors import ConverterError, TransferFailed
@@ -218,7 +218,7 @@ class TrainerRefit:
         self._check_cover(maps, owned)
         self.coordinator = None
         if self.rank == 0:
-            self.coordinator = Coordinator(transport.coordinator(), transport.commit_log(state_dir),
+            self.coordinator = Coordinator(transport.coordinator(), commit_log_for(transport, state_dir),
                                            timeout_s=timeout_s, key=key)
         version = bcast_json(self.coordinator.version if self.coordinator else None)
         rank_dir = None if baseline_dir is None else os.path.join(baseline_dir, f"rank{self.rank:05d}-of-{self.world}")

@@ -147,10 +147,10 @@ class Transport(ABC):
     def coordinator(self) -> CoordinatorEnd: ...
 
     def commit_log(self, state_dir: str):
-        """Where the coordinator keeps commit records (default: files in state_dir)."""
-        from nemo_dcr.commit import DirectoryCommitLog
-
-        return DirectoryCommitLog(state_dir)
+        """Where the coordinator keeps commit records, when the transport keeps them
+        itself (a `nemo_dcr.commit.CommitLog`, e.g. conditional writes in object storage);
+        None (the default): files in `state_dir` (`nemo_dcr.commit.commit_log_for`)."""
+        return None
 
     def cleanup(self) -> None:
         """Remove whatever the transport left behind (segments, sockets, objects)."""

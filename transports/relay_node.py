@@ -48,23 +48,23 @@ import uuid
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import Event, dumps, loads
+from nemo_dcr.transport import Event, Transport, dumps, loads
 
-if TYPE_CHECKING:
-    from nemo_dcr.transports.relay import RelayTransport
+# Every `t: Transport` below is the `RelayTransport` (transports/relay.py) the end belongs
+# to; annotated by its base class because that module imports this one.
 
 log = logging.getLogger("nemo_dcr.transports.relay")  # one logger for the whole relay transport
 
 LOCAL = -1  # the local receiver's slot in an entry's `waiting` set (links use their node index)
 
 
-def zsocket(ctx: zmq.Context, kind: int, t: RelayTransport, linger_ms: int = 0, *, server: bool = False
+def zsocket(ctx: zmq.Context, kind: int, t: Transport, linger_ms: int = 0, *, server: bool = False
             ) -> zmq.Socket:
     """A socket of `kind` with the transport's high-water marks and, when the transport has
     a CURVE key, encryption and authentication (`server`: the side that binds)."""
@@ -92,7 +92,7 @@ class _SharedKeyOnly:
         return key == self.public
 
 
-def bind_server(ctx: zmq.Context, sock: zmq.Socket, t: RelayTransport, endpoint: str, who: str):
+def bind_server(ctx: zmq.Context, sock: zmq.Socket, t: Transport, endpoint: str, who: str):
     """Bind `sock`; with CURVE start this context's authenticator first (returned, to stop
     on close), without it warn when the endpoint is reachable from the network."""
     auth = None
@@ -122,7 +122,7 @@ def is_loopback(endpoint: str) -> bool:
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
-def dealer(ctx: zmq.Context, t: RelayTransport, role: str, endpoint: str | None, linger_ms: int = 0) -> zmq.Socket:
+def dealer(ctx: zmq.Context, t: Transport, role: str, endpoint: str | None, linger_ms: int = 0) -> zmq.Socket:
     """A DEALER with a routing id that names its `role`, connected to `endpoint` (None: not
     yet, so that a monitor can be attached first)."""
     s = zsocket(ctx, zmq.DEALER, t, linger_ms)
@@ -199,7 +199,7 @@ class Fanout:
     {receiver: why})` when receivers will not get a manifest. Used from one thread only.
     """
 
-    def __init__(self, t: RelayTransport, ctx: zmq.Context, poller: zmq.Poller, role: str, roots: list[int],
+    def __init__(self, t: Transport, ctx: zmq.Context, poller: zmq.Poller, role: str, roots: list[int],
                  timeout: float, entries: dict, done: Callable, stats: dict, *, window_bytes: int,
                  window_payloads: int, missed: Callable | None = None):
         self.t, self.ctx, self.poller, self.role = t, ctx, poller, role
@@ -466,7 +466,7 @@ class Fanout:
 class RelayNode:
     """The forwarding thread of node `receiver_id`; raises what stopped it from starting."""
 
-    def __init__(self, t: RelayTransport, receiver_id: str):
+    def __init__(self, t: Transport, receiver_id: str):
         self.t, self.id = t, receiver_id
         self.index = t.index(receiver_id)
         self.endpoint = t.endpoint(self.index)
