@@ -196,6 +196,7 @@ class TrainerRefit:
     ):
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        ensure_process_group()
         if anchor_every < 0 or keep_anchors < 1:
             raise ValueError(f"anchor_every must be >= 0 and keep_anchors >= 1, got {anchor_every}, {keep_anchors}")
         self.max_attempts, self.readback = max_attempts, readback
@@ -477,6 +478,19 @@ class TrainerRefit:
             if shutdown_receivers:
                 self.coordinator.shutdown()
             self.coordinator.end.close()
+
+
+def ensure_process_group() -> None:
+    """The process group the refit's metadata collectives run on: the default one. A
+    single process without one (a plain PyTorch trainer) gets a local one-rank group;
+    ranks started by a launcher (WORLD_SIZE > 1) must create theirs first."""
+    if dist.is_initialized():
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world != 1:
+        raise RuntimeError(f"TrainerRefit: torch.distributed is not initialized in this rank, and WORLD_SIZE={world}: "
+                           "call torch.distributed.init_process_group(...) on every rank before building it")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _raise_on_any_rank(problem: str | None) -> None:

@@ -109,14 +109,14 @@ class ExportShares:
 def ensure_process_group(world: int) -> None:
     """The default process group the refit's collectives run on: NeMo RL's, which spans
     the policy ranks; a single policy rank without one gets a local one."""
-    if dist.is_initialized():
-        if dist.get_world_size() != world:
-            raise RuntimeError(f"NeMo-DCR: torch.distributed spans {dist.get_world_size()} ranks, but NeMo RL "
-                               f"reports {world} policy ranks: the refit's collectives need exactly the policy ranks")
-        return
-    if world != 1:
+    from nemo_dcr.trainer import ensure_process_group as default_group
+
+    if dist.is_initialized() and dist.get_world_size() != world:
+        raise RuntimeError(f"NeMo-DCR: torch.distributed spans {dist.get_world_size()} ranks, but NeMo RL "
+                           f"reports {world} policy ranks: the refit's collectives need exactly the policy ranks")
+    if not dist.is_initialized() and world != 1:
         raise RuntimeError(f"NeMo-DCR: {world} policy ranks but torch.distributed is not initialized in this worker")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    default_group()
 
 
 def commit_state_dir(settings: DCRRefitConfig, rank: int) -> str:
