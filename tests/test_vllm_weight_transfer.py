@@ -109,3 +109,34 @@ def test_vllm_serve_refits_over_its_http_routes_while_serving(online):
     finally:
         for worker in fresh.values():
             worker.close()
+
+
+REFUSALS = """
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from nemo_dcr.integrations.vllm.engine import refusals
+out = {}
+for name, kw in [("plain", {}), ("pp", {"pipeline_parallel_size": 2}), ("ep", {"enable_expert_parallel": True}),
+                 ("fp8", {"quantization": "fp8"})]:
+    config = EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64,
+                        **kw).create_engine_config()
+    out[name] = refusals(config)
+print(json.dumps(out))
+"""
+
+
+def test_what_the_backend_refuses_is_named(tmp_path):
+    """vLLM's own engine configs (MoE checkpoint): plain BF16 runs; PP, EP and a quantized
+    model are refused, each naming the setting."""
+    require_vllm_venv()
+    ckpt = make_checkpoint(tmp_path / "moe", family="qwen3_moe", hidden=128, layers=2, heads=2, kv_heads=2,
+                           ffn=256, vocab=384, seed=7)
+    env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([str(VLLM_PYTHON), "-c", REFUSALS, str(ckpt)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["plain"] == []
+    assert "pipeline_parallel_size=2" in got["pp"][0]
+    assert "enable_expert_parallel" in got["ep"][0]
+    assert "quantization='fp8'" in got["fp8"][0]
