@@ -7,11 +7,12 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from nemo_dcr.local_s3 import free_port
 
 
 def _repo_root() -> Path:
@@ -118,12 +119,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cmd_demo(args) -> int:
     if args.encode_threads < 0:
         raise SystemExit(f"--encode-threads must be >= 0 (got {args.encode_threads})")
@@ -150,8 +145,8 @@ def _demo_transport_config(args, receivers: list[str], stack: contextlib.ExitSta
         stack.callback(shutil.rmtree, shm, ignore_errors=True)
         return {"dir": str(shm), "timeout_s": args.timeout}
     if args.transport == "relay":
-        nodes = [{"id": rx, "endpoint": f"tcp://127.0.0.1:{_free_port()}"} for rx in receivers]
-        return {"nodes": nodes, "coordinator": f"tcp://127.0.0.1:{_free_port()}", "timeout_s": args.timeout}
+        nodes = [{"id": rx, "endpoint": f"tcp://127.0.0.1:{free_port()}"} for rx in receivers]
+        return {"nodes": nodes, "coordinator": f"tcp://127.0.0.1:{free_port()}", "timeout_s": args.timeout}
     if args.transport == "s3":
         if args.s3_endpoint:
             return {"endpoint_url": args.s3_endpoint, "bucket": args.s3_bucket,
@@ -182,7 +177,7 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
     print(f"[demo] 3/3 training {args.steps} steps on {world} Megatron ranks "
           f"(TP={args.tp}{sp} PP={args.pp}{vpp} DP={args.dp}{ep}) and refitting after each", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(root / "examples" / "megatron_refit.py"), "--checkpoint", str(ckpt), "--family", args.family,
            "--tp", str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps), "--lr", str(args.lr),
            "--op", args.op, "--transport", args.transport, "--transport-config", transport_config,

@@ -18,7 +18,8 @@ import shutil
 import tempfile
 import time
 
-from nemo_dcr.local_s3 import REGION, Server, _process, free_port, moto_server, s3_server  # noqa: F401 - re-exported
+from nemo_dcr.local_s3 import REGION, Server, _process, moto_server, s3_server  # noqa: F401 - re-exported
+from tests.support.launch import free_port
 
 _shared: list = []
 

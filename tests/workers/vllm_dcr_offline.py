@@ -38,6 +38,31 @@ def engine_report(worker) -> dict:
     return dict(worker.weight_transfer_engine.last)
 
 
+def train_step(model, optimizer, seed: int) -> None:
+    """One AdamW step of the Hugging Face model on random tokens (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model.config.vocab_size, (4, 16), generator=g)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def save_served(model, model_dir: str, out: Path) -> None:
+    """The trainer's weights as the engine serves them (BF16), as a checkpoint in `out`
+    for a fresh vLLM load."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from nemo_dcr.integrations.vllm.trainer import ServedDtypeSource
+
+    out.mkdir(parents=True)
+    save_file(dict(ServedDtypeSource(model)), str(out / "model.safetensors"))
+    shutil.copy(Path(model_dir) / "config.json", out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -71,29 +96,13 @@ def main() -> int:
     sync = DCRTrainerEngine.trainer_init(info, client=LLMClient(llm), source=ServedDtypeSource(model))
     producer = sync.refit.refit.producer
 
-    def train_step(seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, model.config.vocab_size, (4, 16), generator=g)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
     def save(step: int) -> None:
-        """The trainer's weights as served (BF16), as a checkpoint for a fresh load."""
-        import shutil
-
-        from safetensors.torch import save_file
-
-        out = args.out / f"step{step}"
-        out.mkdir(parents=True)
-        save_file(dict(ServedDtypeSource(model)), str(out / "model.safetensors"))
-        shutil.copy(Path(args.model) / "config.json", out)
+        save_served(model, args.model, args.out / f"step{step}")
         (args.out / f"step{step}.json").write_text(json.dumps(served()))
 
     steps = []
     for step in range(1, args.steps + 1):
-        train_step(step)
+        train_step(model, optimizer, step)
         t = time.perf_counter()
         m = sync.send_weights()
         report = llm.collective_rpc(engine_report)[0]
@@ -107,7 +116,7 @@ def main() -> int:
     faults = {}
     for kind in ("corrupt", "forge", "drop"):
         before = served()
-        train_step(100 + len(faults))
+        train_step(model, optimizer, 100 + len(faults))
         if kind == "forge":
             real_key, producer.key = producer.key, b"not-the-shared-key"
         else:

@@ -17,21 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from nemo_dcr.local_s3 import free_port
+
 PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77, 19, 201, 8]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -87,11 +81,11 @@ def generate(base: str, prompt: list[int]) -> list[int]:
 def drive(args, base: str) -> int:
     import requests
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from nemo_dcr.integrations.vllm.trainer import DCRTrainerEngine, DCRTrainerInitInfo, ServedDtypeSource
+    from tests.workers.vllm_dcr_offline import save_served, train_step
 
     def served() -> dict:
         r = requests.post(f"{base}/weight_checker", json={"action": "checksum"}, timeout=60)
@@ -122,11 +116,7 @@ def drive(args, base: str) -> int:
     sync = DCRTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(base), source=ServedDtypeSource(model))
     steps = []
     for step in range(1, args.steps + 1):
-        g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, model.config.vocab_size, (4, 16), generator=g)
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(model, optimizer, step)
         before = served_requests[0]
         t = time.perf_counter()
         m = sync.send_weights()
@@ -135,10 +125,7 @@ def drive(args, base: str) -> int:
                       "wire_bytes": m["wire_bytes"], "dense_bytes": m["dense_bytes"],
                       "weight_version": version.get("weight_version"),
                       "requests_served_meanwhile": served_requests[0] - before})
-        out = args.out / f"step{step}"
-        out.mkdir(parents=True)
-        save_file(dict(ServedDtypeSource(model)), str(out / "model.safetensors"))
-        shutil.copy(Path(args.model) / "config.json", out)
+        save_served(model, args.model, args.out / f"step{step}")
         (args.out / f"step{step}.json").write_text(json.dumps(served()))
     stop.set()
     client_thread.join(timeout=60)

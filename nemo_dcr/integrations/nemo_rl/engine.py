@@ -172,8 +172,8 @@ class DCRCheckpointEngine(CheckpointEngine):
 
     def update_in_place(self) -> bool:
         """The shard-local tier's vLLM update: apply the next transfer into the model."""
-        if not isinstance(self.rollout, MirrorReceiver) and self.rollout is not None:
-            ok = self.rollout.update()
-            self.last_metrics = dict(self.rollout.last)
-            return ok
-        raise RuntimeError("NeMo-DCR: update_in_place needs shard_local: true and a patched NeMo RL")
+        if not self.settings.shard_local or self.rollout is None:
+            raise RuntimeError("NeMo-DCR: update_in_place needs shard_local: true and a patched NeMo RL")
+        ok = self.rollout.update()
+        self.last_metrics = dict(self.rollout.last)
+        return ok
