@@ -8,11 +8,11 @@ trainer's weights (every parameter in loader format, and greedy tokens); then a 
 a forged and a cut-off update, each refused with the engine serving what it served; and
 a refit that recovers, compared with a fresh load too.
 
-Online: `vllm serve`'s launcher with `--weight-transfer-config '{"backend": "dcr"}'`,
-refit three times by a trainer that reaches it only through its HTTP RL routes
-(`tests/workers/vllm_dcr_online.py`), while another client keeps generating; after each
-refit the server's weight checksums (`/weight_checker`) and greedy tokens equal a fresh
-load's.
+Online: `vllm serve`'s launcher with `--weight-transfer-config '{"backend": "dcr"}'` and
+two tensor-parallel workers, refit three times by a trainer that reaches it only through
+its HTTP RL routes (`tests/workers/vllm_dcr_online.py`), while another client keeps
+generating; after each refit every worker's parameters in loader format, the server's
+weight checksums (`/weight_checker`) and greedy tokens equal a fresh TP=2 load's.
 
 The fresh loads of a run start together (one vLLM process per version).
 """
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(900)
 PROMPTS = [[3, 17, 42, 99, 7, 250, 11, 64], [300, 5, 5, 123, 77, 19, 201, 8]]
 
 
-def run(worker: str, tmp, **env) -> dict:
+def run(worker: str, tmp, *args: str, **env) -> dict:
     """A driver in the vLLM venv on a fresh tiny Qwen3 checkpoint; its JSON report."""
     require_vllm_venv()
     # head_dim 64 (vLLM's CPU attention), vocab a multiple of 64 (vLLM's padding)
@@ -45,17 +45,17 @@ def run(worker: str, tmp, **env) -> dict:
                DCR_HMAC_KEY="weight-transfer-test-key", **env)
     out = tmp / "run"
     out.mkdir()
-    proc = subprocess.run([str(VLLM_PYTHON), "-m", worker, "--model", str(ckpt), "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([str(VLLM_PYTHON), "-m", worker, "--model", str(ckpt), "--out", str(out), *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=800)
     (tmp / "driver.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {"result": json.loads(proc.stdout.strip().splitlines()[-1]), "out": out, "tmp": tmp}
 
 
-def fresh_loads(job: dict, steps: list[int]) -> dict[int, VLLMWorker]:
+def fresh_loads(job: dict, steps: list[int], tp: int = 1) -> dict[int, VLLMWorker]:
     """A fresh vLLM load of the trainer's weights after each step, all started at once."""
     workers = {k: VLLMWorker(job["out"] / f"step{k}", job["tmp"] / f"fresh{k}.log",
-                             "nemo_dcr.runtimes.vllm.DCRWorkerExtension") for k in steps}
+                             "nemo_dcr.runtimes.vllm.DCRWorkerExtension", tp=tp) for k in steps}
     for w in workers.values():
         w.read("start-up")
     return workers
@@ -69,7 +69,7 @@ def offline(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def online(tmp_path_factory):
-    return run("tests.workers.vllm_dcr_online", tmp_path_factory.mktemp("vllm_dcr_online"))
+    return run("tests.workers.vllm_dcr_online", tmp_path_factory.mktemp("vllm_dcr_online"), "--tp", "2")
 
 
 def test_offline_llm_refits_through_the_dcr_backend(offline):
@@ -94,17 +94,25 @@ def test_offline_llm_refits_through_the_dcr_backend(offline):
 
 
 def test_vllm_serve_refits_over_its_http_routes_while_serving(online):
+    """Under TP=2: each worker is its own receiver and ends with a fresh TP=2 load's shard."""
     result = online["result"]
     steps = result["steps"]
     assert [s["version"] for s in steps] == [1, 2, 3]
     assert [s["weight_version"] for s in steps] == ["1", "2", "3"]
     assert all(s["wire_bytes"] < s["dense_bytes"] / 4 for s in steps)
     assert result["requests"] >= 6 and result["failures"] == []  # generation went on throughout
-    fresh = fresh_loads(online, [s["step"] for s in steps])
+    fresh = fresh_loads(online, [s["step"] for s in steps], tp=2)
     try:
         for k, worker in fresh.items():
             served = json.loads((online["out"] / f"step{k}.json").read_text())
-            assert worker.rpc("compute_weight_checksums") == served["checksums"], k
+            digests = worker.call(op="rpc", method="dcr_loader_digests", args=[str(online["out"] / f"step{k}")])
+            assert len(digests) == 2  # per TP worker, loader format
+            for rank, (got, want) in enumerate(zip(served["digests"], digests)):
+                assert got == want, (k, rank, sorted(n for n in got.keys() | want.keys() if got.get(n) != want.get(n)))
+            checksums = {}
+            for part in worker.call(op="rpc", method="compute_weight_checksums"):
+                checksums.update(part)
+            assert checksums == served["checksums"], k
             assert [worker.generate(p) for p in PROMPTS] == served["tokens"], k
     finally:
         for worker in fresh.values():

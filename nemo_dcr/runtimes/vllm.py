@@ -631,9 +631,13 @@ class DCRWorkerExtension:
     def dcr_loader_digests(self, checkpoint_dir: str | None = None) -> dict[str, str]:
         """BLAKE2b of every vLLM parameter and buffer in loader format.
 
-        On a model with no receiver (a fresh load to compare with), `checkpoint_dir`
-        names the checkpoint it was loaded from, to build the adapter."""
-        rx = getattr(self, "_dcr_receiver", None)
+        The receiver's own view where this worker has one (this extension's, or that of
+        a `backend: "dcr"` weight-transfer engine): kept loader-format parameters are
+        not recoverable from a kernel format. On a model with no receiver (a fresh load
+        to compare with), `checkpoint_dir` names the checkpoint it was loaded from, to
+        build the adapter."""
+        engine_host = getattr(getattr(self, "weight_transfer_engine", None), "host", None)
+        rx = getattr(self, "_dcr_receiver", None) or getattr(engine_host, "_dcr_receiver", None)
         runtime = rx.runtime if rx is not None else VLLMRuntime(self._dcr_model(), checkpoint_dir)
         return state_digests(runtime.loader_state())
 

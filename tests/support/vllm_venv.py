@@ -28,13 +28,14 @@ def require_vllm_venv() -> None:
 class VLLMWorker:
     """One vLLM `LLM` in a subprocess of the vLLM venv, driven by JSON lines."""
 
-    def __init__(self, model: Path, log: Path, ext: str, load_format: str = "auto"):
+    def __init__(self, model: Path, log: Path, ext: str, load_format: str = "auto", tp: int = 1):
         env = dict(os.environ, PYTHONPATH=str(REPO), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING",
                    TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
         self.log = log
         self.proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "tests.workers.vllm_worker", "--model", str(model),
-                                      "--ext", ext, "--load-format", load_format], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                      "--ext", ext, "--load-format", load_format, "--tp", str(tp)],
+                                     cwd=REPO, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
         self.ready = None
 

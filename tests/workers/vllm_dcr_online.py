@@ -2,14 +2,17 @@
 trainer through the server's HTTP RL routes only, while a client keeps generating (run
 with the vLLM venv's python).
 
-    python -m tests.workers.vllm_dcr_online --model DIR --out DIR [--steps 3]
+    python -m tests.workers.vllm_dcr_online --model DIR --out DIR [--steps 3] [--tp 2]
 
 The server is `vllm serve`'s launcher, run with `VLLM_SERVER_DEV_MODE=1` (which mounts vLLM's RL routes) and the
 token-in/token-out generate route. The trainer talks to it only through vLLM's
 `HTTPVLLMWeightSyncClient`; a second thread sends greedy generation requests the whole
-time. After each refit, `<out>/step<k>` holds the trainer's weights and
-`<out>/step<k>.json` the server's weight checksums (`/weight_checker`) and greedy tokens,
-for the test to compare with a fresh load. Prints one JSON line on success.
+time. With `--tp N` the server runs N tensor-parallel workers, each its own receiver
+applying what its shard holds. After each refit, `<out>/step<k>` holds the trainer's
+weights and `<out>/step<k>.json` the server's weight checksums (`/weight_checker`), every
+worker's parameters in loader format (`/collective_rpc` to the verification method of
+`DCRWorkerExtension`, which the server loads only for that) and greedy tokens, for the
+test to compare with a fresh load. Prints one JSON line on success.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     import requests
 
@@ -46,6 +50,9 @@ def main() -> int:
          "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
          "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--seed", "0",
          "--enable-scale-out",  # the token-in/token-out generate route
+         "--tensor-parallel-size", str(args.tp), "--distributed-executor-backend", "mp",
+         # verification only (`dcr_loader_digests`); the refits go through the backend
+         "--worker-extension-cls", "nemo_dcr.runtimes.vllm.DCRWorkerExtension",
          "--weight-transfer-config", json.dumps({"backend": "dcr"})],
         env=env, stdout=open(args.out.parent / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -90,7 +97,11 @@ def drive(args, base: str) -> int:
     def served() -> dict:
         r = requests.post(f"{base}/weight_checker", json={"action": "checksum"}, timeout=60)
         r.raise_for_status()
-        return {"checksums": r.json()["checksums"], "tokens": [generate(base, p) for p in PROMPTS]}
+        d = requests.post(f"{base}/collective_rpc", json={"method": "dcr_loader_digests", "args": [args.model]},
+                          timeout=120)
+        d.raise_for_status()
+        return {"checksums": r.json()["checksums"], "digests": d.json()["results"],
+                "tokens": [generate(base, p) for p in PROMPTS]}
 
     # a client that keeps generating through every refit
     stop, served_requests, failures = threading.Event(), [0], []
@@ -112,6 +123,7 @@ def drive(args, base: str) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.0)
     info = DCRTrainerInitInfo(rank=0, transport="local", key_env="DCR_HMAC_KEY", timeout_s=60,
+                              tensor_parallel_size=args.tp,
                               transport_config={"dir": str(args.out / "shm"), "timeout_s": 30})
     sync = DCRTrainerEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(base), source=ServedDtypeSource(model))
     steps = []

@@ -1,6 +1,6 @@
 """A vLLM `LLM` behind a JSON-lines command loop, run with the vLLM venv's python.
 
-    python -m tests.workers.vllm_worker --model DIR [--ext QUALNAME] [--load-format dummy]
+    python -m tests.workers.vllm_worker --model DIR [--ext QUALNAME] [--load-format dummy] [--tp 2]
 
 Reads one JSON command per line on stdin and answers one JSON line on the stdout it
 started with (everything vLLM prints goes to stderr): {"op": "rpc", "method", "args",
@@ -22,6 +22,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--ext", default="nemo_dcr.runtimes.vllm.DCRWorkerExtension")
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # vLLM's and the kernels' output -> stderr
@@ -35,7 +36,8 @@ def main() -> int:
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
               max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64, seed=0,
-              worker_extension_cls=args.ext, load_format=args.load_format)
+              worker_extension_cls=args.ext, load_format=args.load_format, tensor_parallel_size=args.tp,
+              distributed_executor_backend="mp" if args.tp > 1 else None)
     reply({"ok": True, "result": {"startup_s": time.perf_counter() - t}})
     for line in sys.stdin:
         cmd = json.loads(line)
