@@ -3,6 +3,7 @@
 from nemo_dcr.runtimes.megatron.model import (
     build_gpt_model,
     build_model_chunks,
+    check_supported,
     megatron_param_name_map,
     padded_vocab_size,
     rope_theta_of,
@@ -13,6 +14,7 @@ from nemo_dcr.runtimes.megatron.model import (
 __all__ = [
     "build_gpt_model",
     "build_model_chunks",
+    "check_supported",
     "megatron_param_name_map",
     "padded_vocab_size",
     "rope_theta_of",

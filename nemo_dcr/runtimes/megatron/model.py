@@ -1,5 +1,5 @@
-"""Build a megatron-core ``GPTModel`` that matches a Hugging Face Llama / Qwen2 / Qwen3 /
-Qwen3-MoE / Mixtral config.
+"""Build a megatron-core ``GPTModel`` that matches a Hugging Face Llama / Mistral / Qwen2 /
+Qwen3 / Qwen3-MoE / Mixtral config.
 
 The model uses megatron-core's *local* (non-Transformer-Engine) layer spec
 (``get_gpt_layer_local_spec``), so it runs wherever torch runs:
@@ -12,13 +12,25 @@ num_hidden_layers      num_layers
 num_attention_heads    num_attention_heads
 num_key_value_heads    num_query_groups (GQA)
 head_dim               kv_channels
-intermediate_size      ffn_hidden_size; gated_linear_unit=True, activation=silu
+intermediate_size      ffn_hidden_size; gated_linear_unit=True
+hidden_act             activation=silu; anything else refused
 rms_norm_eps           layernorm_epsilon, normalization="RMSNorm"
+model_type             one of SUPPORTED_MODEL_TYPES, else refused (e.g. phi3, gemma)
 model_type == qwen3    qk_layernorm=True (q_norm / k_norm over head_dim)
-attention_bias         add_qkv_bias (Qwen2-style q/k/v bias); no other biases
 model_type == qwen2    add_qkv_bias=True (Qwen2 always biases q/k/v, not o_proj)
+attention_bias         refused if True (Llama / Qwen3 bias o_proj too); no other biases
+mlp_bias               refused if True
 rope_theta             rotary_base; rope, non-interleaved (HF ``rotate_half``)
-tie_word_embeddings    share_embeddings_and_output_weights
+rope_parameters /      rope type "default" only: llama3, yarn, longrope, dynamic, linear...
+  rope_scaling         refused (either field, transformers 5.x / 4.x)
+partial_rotary_factor  rotary_percent=1.0: anything but 1.0 refused (also inside
+                       rope_parameters / rope_scaling)
+sliding_window         refused where applied: when set (Mistral, Mixtral, Phi-3), or with
+                       use_sliding_window=True (Qwen2 / Qwen3 keep a size while it is off)
+layer_types            every entry "full_attention", else refused
+attention_dropout      attention_dropout; other dropouts (resid_pdrop, embd_pdrop) are
+                       training-only, not refused, not modelled (hidden_dropout=0)
+tie_word_embeddings    share_embeddings_and_output_weights; must be set (True / False)
 vocab_size             padded_vocab_size(vocab, tp, make_vocab_size_divisible_by)
 initializer_range      init_method_std
 num_experts (MoE)      num_moe_experts; SequentialMLP experts (local spec, no grouped GEMM)
@@ -30,8 +42,18 @@ num_local_experts      num_moe_experts (Mixtral)
 intermediate_size      moe_ffn_hidden_size (Mixtral: every MLP is sparse)
 (Mixtral router)       softmax over all, top-k renormalised = softmax over the top-k
                        logits (Megatron default); router_jitter_noise must be 0
-sliding_window         Mixtral: refused unless None (Qwen: use_sliding_window refused)
+decoder_sparse_step,   refused unless 1 / empty (dense layers between MoE layers);
+  mlp_only_layers      shared_expert_intermediate_size refused
+head_dim / GQA         head_dim even and positive, num_key_value_heads divides heads
+(other families)       attn_logit_softcapping, final_logit_softcapping,
+                       use_bidirectional_attention, query_pre_attn_scalar != head_dim
 =====================  ==========================================================
+
+:func:`check_supported` makes the refusals: one :class:`~nemo_dcr.errors.Unsupported` lists
+every field the builder does not model, with its value and why, before megatron-core is
+needed. It refuses what would change the function the weights compute or their layout,
+not training-only settings (dropouts, init, aux-loss coefficients; Mixtral's
+router_jitter_noise is the exception, as Megatron's jitter is another one).
 
 MoE (Qwen3-MoE, ``model_type == "qwen3_moe"``): every layer sparse (``decoder_sparse_step
 == 1``, no ``mlp_only_layers``), no shared experts, no router bias, router in fp32
@@ -69,6 +91,8 @@ __all__ = [
     "padded_vocab_size",
     "LocalRMSNorm",
     "rope_theta_of",
+    "SUPPORTED_MODEL_TYPES",
+    "check_supported",
     "transformer_config_from_hf",
     "build_gpt_model",
     "build_model_chunks",
@@ -102,11 +126,129 @@ def rope_theta_of(hf_config) -> float:
     return float(theta) if theta is not None else 10000.0
 
 
-def _rope_type_of(hf_config) -> str:
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    if not params:
-        return "default"
-    return params.get("rope_type", params.get("type", "default"))
+# What the builder models; the per-family differences it sets are in transformer_config_from_hf.
+# Mistral is Llama's layers (a sliding window is refused below).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+_MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+_ROPE_FIELDS = ("rope_parameters", "rope_scaling")  # transformers 5.x, 4.x (5.x keeps both names)
+
+# Fields of other families' configs that change the function, refused unless None / False / 0.
+_FOREIGN_FIELDS = {
+    "attn_logit_softcapping": "attention-logit soft-capping is not modelled",
+    "final_logit_softcapping": "final-logit soft-capping is not modelled",
+    "use_bidirectional_attention": "only causal attention is modelled",
+    "shared_expert_intermediate_size": "shared experts are not modelled",
+}
+
+
+def check_supported(hf_config) -> None:
+    """Raise :class:`Unsupported` naming every field of ``hf_config`` the builder does not model.
+
+    One error lists all problems, each as ``<ConfigClass>.<field>=<value>: why``: a model
+    built anyway would compute another function than the checkpoint's, or hold its weights
+    in another layout. Needs neither megatron-core's parallel state nor a GPU.
+
+    Training-only settings are not refused, as they leave the meaning of the weights alone:
+    ``attention_dropout`` is carried over, other dropouts (``resid_pdrop``, ``embd_pdrop``)
+    are not modelled (hidden_dropout=0), nor are ``initializer_range`` or router aux-loss
+    coefficients. Mixtral's ``router_jitter_noise`` is the exception: Megatron's jitter is
+    another one, so the training would not be the one asked for.
+    """
+    problems = _problems(hf_config)
+    if problems:
+        raise Unsupported(f"the Megatron builder does not model this {type(hf_config).__name__} "
+                          f"({len(problems)} problem(s)):\n  - " + "\n  - ".join(problems))
+
+
+def _rope_dicts(hf_config):
+    for field in _ROPE_FIELDS:
+        params = getattr(hf_config, field, None)
+        if params:
+            yield field, params
+
+
+def _problems(c) -> list[str]:
+    name, out = type(c).__name__, []
+
+    def bad(field, value, why):
+        out.append(f"{name}.{field}={value!r}: {why}")
+
+    model_type = getattr(c, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        hint = "; Phi-3's checkpoint packs qkv_proj and gate_up_proj" if model_type == "phi3" else ""
+        bad("model_type", model_type, f"not a family the builder models ({', '.join(SUPPORTED_MODEL_TYPES)}){hint}")
+    for field in ("hidden_act", "hidden_activation"):  # Gemma2 names it hidden_activation
+        act = getattr(c, field, None)
+        if act is not None and act not in ("silu", "swish"):  # the same function in transformers
+            bad(field, act, "only SwiGLU (silu) MLPs are modelled")
+
+    # RoPE: plain (unscaled) over the whole head, base rope_theta.
+    for field, params in _rope_dicts(c):  # report once: 5.x's rope_scaling is rope_parameters
+        key = "rope_type" if "rope_type" in params else "type"
+        if (params.get(key) or "default") != "default":
+            bad(f"{field}[{key!r}]", params[key], "only plain RoPE is modelled (no scaling / long-context "
+                "variant): the rotary frequencies would differ from the checkpoint's")
+            break
+    factors = [("partial_rotary_factor", getattr(c, "partial_rotary_factor", None))]
+    factors += [(f"{f}['partial_rotary_factor']", p.get("partial_rotary_factor")) for f, p in _rope_dicts(c)]
+    for field, factor in factors:
+        if factor is not None and float(factor) != 1.0:
+            bad(field, factor, "partial rotary embeddings are not modelled (Megatron gets rotary_percent=1.0); "
+                "the built model would differ from the checkpoint")
+            break
+
+    # Attention: full causal attention over every layer.
+    window = getattr(c, "sliding_window", None)
+    if hasattr(c, "use_sliding_window"):
+        # Qwen2 / Qwen3 configs keep a window size while the flag is off: only the flag turns it on.
+        if c.use_sliding_window and window is not None:
+            bad("use_sliding_window", c.use_sliding_window,
+                f"sliding-window attention (sliding_window={window}) is not modelled")
+    elif window is not None:  # Mistral, Mixtral, Phi-3, Gemma2: a size means on
+        bad("sliding_window", window, "sliding-window attention is not modelled")
+    kinds = sorted(set(getattr(c, "layer_types", None) or ()) - {"full_attention"})
+    if kinds:
+        out.append(f"{name}.layer_types holds {kinds}: only full attention in every layer is modelled")
+    for field, why in _FOREIGN_FIELDS.items():
+        if getattr(c, field, None):
+            bad(field, getattr(c, field), why)
+    head_dim = _head_dim_of(c) if hasattr(c, "hidden_size") and hasattr(c, "num_attention_heads") else None
+    scalar = getattr(c, "query_pre_attn_scalar", None)
+    if scalar is not None and scalar != head_dim:
+        bad("query_pre_attn_scalar", scalar, f"the attention scale 1/sqrt(head_dim={head_dim}) is modelled")
+    if head_dim is not None and (head_dim <= 0 or head_dim % 2):
+        bad("head_dim", head_dim, "must be positive and even: RoPE rotates pairs of channels")
+    heads = getattr(c, "num_attention_heads", None)
+    groups = getattr(c, "num_key_value_heads", None) or heads
+    if heads and groups and heads % groups:
+        bad("num_key_value_heads", groups, f"does not divide num_attention_heads={heads} (GQA groups)")
+
+    # Biases: Qwen2's q/k/v bias only (add_qkv_bias, set by model_type).
+    if getattr(c, "attention_bias", False):
+        # Llama / Qwen3 / Qwen3-MoE bias o_proj too; Megatron has that bias only together with MLP
+        # biases (add_bias_linear).
+        bad("attention_bias", c.attention_bias, "biases o_proj as well as q/k/v, which is not modelled")
+    if getattr(c, "mlp_bias", False):
+        bad("mlp_bias", c.mlp_bias, "MLP biases are not modelled")
+
+    # The output layer: shared with the embedding or not, never guessed (defaults differ by version).
+    tied = getattr(c, "tie_word_embeddings", None)
+    if tied not in (True, False):
+        bad("tie_word_embeddings", tied, "must be True or False: it decides whether output_layer is a weight")
+
+    # MoE: every layer sparse, no shared experts, top-k softmax routing.
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if model_type in _MOE_MODEL_TYPES and not experts:
+        bad("num_experts", experts, f"a {model_type} model needs experts; a dense model would be built")
+    if getattr(c, "decoder_sparse_step", 1) != 1:
+        bad("decoder_sparse_step", c.decoder_sparse_step, "dense layers between MoE layers are not modelled")
+    if getattr(c, "mlp_only_layers", None):
+        bad("mlp_only_layers", c.mlp_only_layers, "dense layers between MoE layers are not modelled")
+    # Training-only, but HF's jitter multiplies the experts' inputs too; Megatron's
+    # moe_input_jitter_eps only jitters the router's input: not the same model to train.
+    if float(getattr(c, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+        bad("router_jitter_noise", c.router_jitter_noise, "only 0 is modelled")
+    return out
 
 
 def _head_dim_of(hf_config) -> int:
@@ -126,35 +268,22 @@ def transformer_config_from_hf(
     sequence_parallel: bool = False,
     **overrides: Any,
 ):
-    """A ``TransformerConfig`` for ``hf_config`` (Llama / Qwen2 / Qwen3 / Qwen3-MoE) at TP ``tp``
+    """A ``TransformerConfig`` for ``hf_config`` (see ``SUPPORTED_MODEL_TYPES``) at TP ``tp``
     × PP ``pp`` (× EP ``ep`` for MoE).
 
-    Dropout is taken from the HF config (attention_dropout; no hidden dropout in
-    Llama / Qwen3). All CUDA-only fusions are off so the config also runs on CPU;
-    pass ``overrides`` (any TransformerConfig field) to turn them on for GPU runs,
-    or to set e.g. ``virtual_pipeline_model_parallel_size``.
+    :func:`check_supported` runs first. Dropout is taken from the HF config
+    (attention_dropout; hidden_dropout is 0: no hidden dropout in Llama / Qwen). All
+    CUDA-only fusions are off so the config also runs on CPU; pass ``overrides`` (any
+    TransformerConfig field) to turn them on for GPU runs, or to set e.g.
+    ``virtual_pipeline_model_parallel_size``.
 
     ``sequence_parallel=True`` works with :func:`build_gpt_model`'s norms (see
     :class:`LocalRMSNorm`); MoE layers with TP > 1 need it to train.
     """
     from megatron.core.transformer import TransformerConfig
 
-    model_type = getattr(hf_config, "model_type", "")
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise Unsupported(f"hidden_act {act!r}: only SwiGLU (silu) is supported")
-    if _rope_type_of(hf_config) != "default":
-        raise Unsupported(f"rope type {_rope_type_of(hf_config)!r} is not supported")
-    # Qwen2's config has no attention_bias flag: its q/k/v projections always carry one.
-    attention_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
-    if attention_bias and model_type == "llama":
-        # Llama's attention_bias also biases o_proj, which Megatron only has together
-        # with MLP biases (add_bias_linear).
-        raise Unsupported("Llama attention_bias (o_proj bias) is not supported")
-    if getattr(hf_config, "use_sliding_window", False):
-        raise Unsupported("sliding-window attention is not supported")
-    if getattr(hf_config, "mlp_bias", False):
-        raise Unsupported("mlp_bias is not supported")
+    check_supported(hf_config)
+    model_type = hf_config.model_type
     moe = _moe_fields(hf_config)
     if ep != 1:
         if not moe:
@@ -174,7 +303,8 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=attention_bias,
+        # Qwen2's config has no attention_bias flag: its q/k/v projections always carry one.
+        add_qkv_bias=model_type == "qwen2",
         qk_layernorm=model_type.startswith("qwen3"),
         rotary_interleaved=False,
         hidden_dropout=0.0,
@@ -208,27 +338,16 @@ def transformer_config_from_hf(
 
 
 def _moe_fields(hf_config) -> dict:
-    """TransformerConfig MoE fields for a Qwen3-MoE or Mixtral config ({} for dense models)."""
+    """TransformerConfig MoE fields for a Qwen3-MoE or Mixtral config ({} for dense models);
+    :func:`check_supported` has refused what they cannot express."""
     experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if not experts:
         return {}
     model_type = getattr(hf_config, "model_type", "")
     if model_type == "qwen3_moe":
-        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
-            raise Unsupported("dense layers between MoE layers (decoder_sparse_step / mlp_only_layers) "
-                              "are not supported")
-        if getattr(hf_config, "shared_expert_intermediate_size", 0):
-            raise Unsupported("shared experts are not supported")
         expert_ffn = hf_config.moe_intermediate_size
         pre_softmax = not bool(getattr(hf_config, "norm_topk_prob", True))
     elif model_type == "mixtral":
-        # HF's jitter multiplies the experts' inputs too (in training); Megatron's
-        # moe_input_jitter_eps only jitters the router's input: not the same model.
-        if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
-            raise Unsupported(f"Mixtral router_jitter_noise={hf_config.router_jitter_noise}: only 0 is supported")
-        if getattr(hf_config, "sliding_window", None) is not None:  # Mixtral has no on/off flag: a size means on
-            raise Unsupported(f"Mixtral sliding_window={hf_config.sliding_window}: sliding-window attention "
-                              "is not supported")
         expert_ffn = hf_config.intermediate_size
         # HF: softmax over all experts, top-k, renormalised over the k = a softmax over
         # the top-k logits, Megatron's default.
@@ -317,6 +436,7 @@ def build_gpt_model(
     values for any TP size) and cast to ``config.params_dtype``; on a GPU machine move
     the chunk with ``.cuda()`` before wrapping it in DDP, as Megatron-LM's get_model does.
     """
+    check_supported(hf_config)  # also when config was built elsewhere: the fields below are the HF config's
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
