@@ -39,3 +39,12 @@ class TransportError(DCRError):
 
 class Unsupported(DCRError, ValueError):
     """A model or parallel configuration this version cannot place or capture."""
+
+
+class NotInstalled(DCRError, ImportError):
+    """NeMo-DCR's own metadata (its entry points) is missing: the package is not installed."""
+
+
+class KeyMismatch(DCRError):
+    """A receiver's HMAC key is not its producers': none of their control messages
+    authenticated, a shutdown included, so it stopped by itself."""

@@ -28,7 +28,7 @@ from nemo_dcr import codec
 from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import check, shutdown_problem, sign
 from nemo_dcr.catchup import catch_up
-from nemo_dcr.errors import ApplyError, DCRError, PayloadRejected, TransportError
+from nemo_dcr.errors import ApplyError, DCRError, KeyMismatch, PayloadRejected, TransportError
 from nemo_dcr.digest import StateDigest
 from nemo_dcr.history import open_history
 from nemo_dcr.metrics import page_faults
@@ -95,6 +95,7 @@ class Receiver:
         history=None,
         rescan: bool = False,
         state_digest: bool = True,
+        key_mismatch_exit_s: float | None = 60.0,
     ):
         """`history` (a `nemo_dcr.history.History` or a directory): where to catch up from
         when a transfer starts from a version this receiver does not serve, when its bits
@@ -107,7 +108,12 @@ class Receiver:
         bits changed outside refits (memory corruption, a foreign write) are caught there
         too; `rescan()` does the same on demand (e.g. from an idle serving loop).
         `state_digest=False` keeps none: no proof of the base at begin nor of the state
-        before the commit (the producers' digests are then not checked here)."""
+        before the commit (the producers' digests are then not checked here).
+
+        `key_mismatch_exit_s`: a receiver whose key is not its producers' cannot
+        authenticate their shutdown either. When control messages keep arriving and none
+        has ever authenticated, `serve_forever` raises `KeyMismatch` this many seconds
+        after the first rejected one (None: keep serving)."""
         self.id, self.runtime, self.end = receiver_id, runtime, end
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
@@ -140,6 +146,9 @@ class Receiver:
             self.rescan()
         self.resyncs = 0  # dense resyncs this receiver took
         self._shutdowns: set[str] = set()  # nonces of the shutdowns taken (a replay is ignored)
+        self.key_mismatch_exit_s = key_mismatch_exit_s
+        self._authenticated = False  # a control message has authenticated: the key is the producers'
+        self._first_rejected: float | None = None  # when the first control message failed authentication
 
     # --- the whole-state digest -------------------------------------------------------
 
@@ -216,6 +225,17 @@ class Receiver:
                 continue
             if event is not None and not self.handle(event):
                 return
+            self._check_key_mismatch()
+
+    def _check_key_mismatch(self) -> None:
+        if self._authenticated or self._first_rejected is None or self.key_mismatch_exit_s is None:
+            return
+        waited = time.monotonic() - self._first_rejected
+        if waited >= self.key_mismatch_exit_s:
+            raise KeyMismatch(f"receiver {self.id}: no control message authenticated in {waited:.0f} s of "
+                              "rejected ones, so this receiver's HMAC key is not its producers' (or they sign "
+                              "nothing) and their shutdown cannot reach it: it stops here. Start it with the "
+                              "trainer's key (the same key_env on both sides)")
 
     def stop(self) -> None:
         """Make `serve_forever` return within one poll, from another thread of the hosting
@@ -228,11 +248,13 @@ class Receiver:
         try:
             why = None if kind in ("payload", "manifest") else check(self.key, kind, meta)
             if why is not None:  # payloads carry their own HMAC; manifests are checked end to end
-                self.log(f"[{self.id}] ignored a control message: {why}")
+                self._rejected(kind, why)
                 if kind == "begin" and isinstance(meta.get("transfer_id"), str):
                     self._reply("ready", {"transfer_id": meta["transfer_id"],
                                           "error": f"receiver {self.id} rejected the begin: {why}"})
                 return True
+            if kind not in ("payload", "manifest"):
+                self._authenticated = True
             if kind == "payload":
                 self._on_payload(event)
             elif kind == "begin":
@@ -253,6 +275,16 @@ class Receiver:
         finally:
             event.release()
         return True
+
+    def _rejected(self, kind: str, why: str) -> None:
+        """Log a control message that failed authentication (the first with what it means)."""
+        self.log(f"[{self.id}] ignored a '{kind}' control message: {why}")
+        if self._first_rejected is None and not self._authenticated:
+            self._first_rejected = time.monotonic()
+            limit = ("" if self.key_mismatch_exit_s is None else
+                     f"; unless one authenticates, it stops in {self.key_mismatch_exit_s:.0f} s")
+            self.log(f"[{self.id}] if this receiver's HMAC key is not the trainer's, no refit and no shutdown "
+                     f"can reach it{limit}")
 
     # --- handlers -------------------------------------------------------------------
 

@@ -134,3 +134,70 @@ def test_a_payload_missing_from_both_data_and_manifest_aborts(checkpoint, tmp_pa
         assert result.decision.committed and result.decision.version == 1
     finally:
         s.close()
+
+
+def _tiny_refit(tmp_path, trainer_key: bytes, receiver_key: bytes, exit_s: float):
+    """A two-tensor model, one receiver on a thread over the local transport; returns what
+    the receiver's `serve_forever` raised (or None) once it stopped."""
+    import threading
+
+    import torch
+
+    from nemo_dcr import registry
+    from nemo_dcr.capture import torch_owned_ranges
+    from nemo_dcr.layout import ParallelLayout
+    from nemo_dcr.receiver import Receiver
+    from nemo_dcr.runtimes.store import TensorStoreRuntime
+    from nemo_dcr.trainer import TrainerRefit
+
+    model = torch.nn.Linear(32, 32).bfloat16()
+    transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 5}, receivers=["rx0"])
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}
+    logged, raised = [], []
+    rx = Receiver("rx0", TensorStoreRuntime(served), transport.receiver("rx0"), key=receiver_key,
+                  key_mismatch_exit_s=exit_s, log=logged.append)
+
+    def serve() -> None:
+        try:
+            rx.serve_forever(0.05)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            raised.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    intruder = transport.coordinator()
+    intruder.broadcast("verify", sign(b"intruder-key", "verify", {"transfer_id": "v-x", "dump_dir": None}))
+    intruder.close()
+    specs = {n: ("BF16", tuple(p.shape)) for n, p in model.named_parameters()}
+    refit = TrainerRefit(registry.converter("identity", None), specs, torch_owned_ranges(model), ParallelLayout(),
+                         transport, state_dir=str(tmp_path / "state"), key=trainer_key, max_attempts=1)
+    with torch.no_grad():
+        model.weight.add_(0.01)
+    committed = True
+    try:
+        refit.refit()
+    except TransferFailed:
+        committed = False
+    refit.close(shutdown_receivers=True)
+    thread.join(exit_s + 10)
+    transport.cleanup()
+    return committed, thread.is_alive(), raised, logged
+
+
+def test_a_receiver_with_another_key_stops_by_itself_and_says_why(tmp_path):
+    """Nothing from the trainer authenticates, its shutdown included: the receiver stops
+    `key_mismatch_exit_s` after the first rejected message, naming the key."""
+    from nemo_dcr.errors import KeyMismatch
+
+    committed, alive, raised, logged = _tiny_refit(tmp_path, KEY, b"other-key", exit_s=1.0)
+    assert not committed and not alive
+    assert len(raised) == 1 and isinstance(raised[0], KeyMismatch) and "HMAC key" in str(raised[0])
+    assert any("no refit and no shutdown can reach it" in m for m in logged)
+
+
+def test_a_forged_message_does_not_stop_a_receiver_with_the_right_key(tmp_path):
+    """A forged message first, then the trainer's: the key is right, the receiver keeps
+    serving until the trainer's shutdown."""
+    committed, alive, raised, logged = _tiny_refit(tmp_path, KEY, KEY, exit_s=1.0)
+    assert committed and not alive and raised == []
+    assert any("ignored a 'verify' control message" in m for m in logged)
