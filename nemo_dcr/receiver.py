@@ -547,6 +547,8 @@ class Receiver:
             self.log(f"[{self.id}] {self.uncertain_state}")
 
     def _on_verify(self, meta: dict) -> None:
+        if self.digest_scope == "all":
+            self.rescan()  # the state as read now, not as the applies kept it
         reply = {"transfer_id": meta.get("transfer_id", ""), "version": self.serving_version,
                  "digests": self.digests(), "state_digest": self.state_digest}
         if meta.get("dump_dir"):  # full bits for offline comparison (tests, debugging)

@@ -462,14 +462,44 @@ class TrainerRefit:
                                  + "; ".join(decision.reasons))
         return decision
 
-    def verify(self, expected_digests: dict[str, str] | None) -> dict[str, list[str]]:
-        """Rank 0: compare each receiver's digests with `expected_digests`."""
+    def verify(self, expected_digests: dict[str, str] | None = None) -> dict[str, list[str]]:
+        """Rank 0 (other ranks get {}): check every receiver bit for bit. Returns each
+        receiver's problems; all lists empty when every receiver holds exactly the
+        committed version.
+
+        Without `expected_digests`, from the producers' whole-state digest of the committed
+        version, which needs no gather: each receiver reads its whole state again, and
+        must serve the committed version and hold that digest. A receiver that keeps no
+        whole-state digest (one holding parts of tensors) is reported as unproven. With
+        `expected_digests` (name -> `verify.state_digests` of a dense export), tensor by
+        tensor."""
         from nemo_dcr.verify import compare_digests
 
         if self.rank != 0:
             return {}
-        replies = self.coordinator.verify()
-        return {rx: compare_digests(expected_digests, r["digests"]) for rx, r in sorted(replies.items())}
+        out = {}
+        for rx, r in sorted(self.coordinator.verify().items()):
+            if r.get("error"):
+                out[rx] = [r["error"]]
+            elif expected_digests is not None:
+                out[rx] = compare_digests(expected_digests, r["digests"])
+            else:
+                out[rx] = self._state_problems(r)
+        return out
+
+    def _state_problems(self, reply: dict) -> list[str]:
+        problems = []
+        if reply.get("version") != self.baseline.version:
+            problems.append(f"serves version {reply.get('version')}, the committed one is {self.baseline.version}")
+        if not self.state_digest:
+            problems.append("unproven: the producers keep no state digest (state_digest=False); "
+                            "pass expected_digests")
+        elif not reply.get("state_digest"):
+            problems.append("unproven: the receiver keeps no whole-state digest (it holds parts of tensors, "
+                            "or state_digest=False); pass expected_digests")
+        elif reply["state_digest"] != self.state_digest:
+            problems.append(f"state digest {reply['state_digest']}, the producers' is {self.state_digest}")
+        return problems
 
     def close(self, shutdown_receivers: bool = False) -> None:
         self.baseline.wait_committed()

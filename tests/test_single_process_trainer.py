@@ -1,5 +1,7 @@
 """A plain PyTorch trainer in one process builds `TrainerRefit` without creating a
-process group itself; ranks started by a launcher are told to create theirs."""
+process group itself; ranks started by a launcher are told to create theirs.
+`refit.verify()` proves the receiver's whole state and catches bits changed outside
+refits."""
 
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ SCRIPT = textwrap.dedent("""
     assert result.decision.committed
     assert all(torch.equal(served[n].view(torch.int16), p.detach().view(torch.int16))
                for n, p in model.named_parameters())
+    assert refit.verify() == {"rx0": []}  # the whole state, against the producers' digest
+    served["bias"][3] += 1.0  # bits changed outside refits: verify reads the state anew
+    problems = refit.verify()["rx0"]
+    assert len(problems) == 1 and "state digest" in problems[0], problems
     refit.close(shutdown_receivers=True)
     thread.join(timeout=30)
     transport.cleanup()
