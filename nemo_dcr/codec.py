@@ -4,7 +4,7 @@ Byte layout (all integers little-endian):
 
     offset          size   field
     0               4      magic b"NDCR"
-    4               2      u16 format version (5, or 6; 4 and 3 are read too)
+    4               2      u16 format version: 5 (the host format) or 6 (the device format)
     6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
     8               4      u32 header length H
     12              H      header: JSON, UTF-8, sorted keys, no whitespace
@@ -31,10 +31,6 @@ the wire (the joint stream by an estimate of what it adds; the prefix stream for
 handed over as tensors, in v6); the decoded `Record` does not depend on that choice.
 v2's constriction-coded `gaps` / `symbols` are unknown encodings.
 
-`decode` also reads formats v4 (the same without the joint encodings; `encode(version=4)`
-writes it) and v3 (stored delta histories may hold it): v4's layout with a BLAKE2b-128
-trailer and every non-empty section a zstd frame ("stored" is unknown there).
-
 `decode` validates everything - framing, checksum, HMAC, header schema, sizes, limits,
 every position and value - before it returns, so a receiver can reject a payload
 before it writes a byte. Every failure is a `PayloadRejected` naming the payload and
@@ -50,7 +46,7 @@ import json
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -83,7 +79,8 @@ from .positions import (
     read_model,
 )
 from .records import Op, Payload, PayloadHeader, Record
-from .wire_versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
+from .wire_versions import (DEVICE_FORMAT, FORMAT_VERSION, HOST_FORMAT, WRITABLE_VERSIONS, readable_versions_text,
+                            writable_versions_text)
 
 MAGIC = b"NDCR"
 FLAG_HMAC = 0x0001
@@ -119,7 +116,7 @@ _TOP_KEYS = frozenset(
 _RECORD_KEYS = frozenset({"count", "dtype", "name", "op", "positions", "shape", "values"})
 _OPS = {op.value: op for op in Op}
 _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
-# v4: a section may say "stored": true (raw bytes, no zstd frame); omitted otherwise, so that
+# A section may say "stored": true (raw bytes, no zstd frame); omitted otherwise, so that
 # each section has one spelling. Only `true` is valid.
 _STORED = "stored"
 _STORED_ONLY = frozenset({_STORED})
@@ -134,37 +131,25 @@ _VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
                "symbols_prefix": _SECTION_KEYS | {"encoding", "width"}}
 
 
-def _blake2b_128() -> Any:
-    return hashlib.blake2b(digest_size=CHECKSUM_BYTES)
-
-
 @dataclass(frozen=True)
 class _Version:
     """What differs between the format versions `decode` reads."""
 
-    hasher: Callable[[], Any]  # a new hash object (update / digest) for the checksum
-    checksum_name: str
-    stored_sections: bool  # whether a section may be stored raw ("stored": true)
-    joint: bool = False  # whether records may use the joint encodings (gaps_joint / symbols_joint)
     prefix: bool = False  # whether records may use the prefix encodings (gaps_prefix / symbols_prefix)
 
-    def checksum(self, *parts: Any) -> bytes:
-        """The checksum of bytes [0, 12+H+B), given as one or more consecutive parts
-        (hashed as they are, not joined first); CHECKSUM_BYTES long."""
-        h = self.hasher()
-        for part in parts:
-            h.update(part)
-        return h.digest()
+
+# The host format and the device format; nothing older is read (none was released).
+_VERSIONS = {HOST_FORMAT: _Version(), DEVICE_FORMAT: _Version(prefix=True)}
 
 
-_VERSIONS = {
-    3: _Version(_blake2b_128, "BLAKE2b-128", stored_sections=False),
-    # XXH3-128: 30-50 GB/s here against BLAKE2b's 0.4-0.7 (1.5-3 ns per change at 3%). It guards
-    # against corruption only, as BLAKE2b without a key did; the HMAC authenticates.
-    4: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True),
-    5: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True, joint=True),
-    6: _Version(xxhash.xxh3_128, "XXH3-128", stored_sections=True, joint=True, prefix=True),
-}
+def _checksum(*parts: Any) -> bytes:
+    """XXH3-128 of bytes [0, 12+H+B), given as one or more consecutive parts (hashed as they
+    are, not joined first); CHECKSUM_BYTES long. Why XXH3: an integrity check only (the HMAC
+    authenticates), and it runs at tens of GB/s."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -197,7 +182,7 @@ class _Section:
     offset: int
     length: int
     raw_length: int
-    stored: bool = False  # raw bytes in the body (v4), else one zstd frame
+    stored: bool = False  # raw bytes in the body, else one zstd frame
 
 
 @dataclass(frozen=True)
@@ -241,26 +226,24 @@ class _Rejecting:
 
 def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto",
            version: int = FORMAT_VERSION) -> bytes:
-    """Serialize `payload` (format v5, or `version`). Raises ValueError on an invalid payload.
+    """Serialize `payload` (format v5, or `version` 6). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
     level: zstd compression level for every section that is not stored raw.
     dense: "auto" sends an xor/add record densely (every element's value, zeros
            included) when that is smaller on the wire; "never" / "always" force it
            (for benchmarks). The decoded record is the same either way.
-    version: 5, or 4 for receivers that do not read version 5 yet (no joint streams:
-           every record's positions and values in two rANS streams, as v4 coded them),
-           or 6: records whose positions and values are torch tensors are then coded
-           where they are, with prefix codes (`gaps_prefix` / `symbols_prefix`,
-           nemo_dcr.prefix: a GPU codes them itself); the rest as version 5 codes them.
-           With 4 or 5, tensors are copied to the host and coded there.
+    version: 5, the host format, or 6, the device format (experimental): records whose
+           positions and values are torch tensors are then coded where they are, with
+           prefix codes (`gaps_prefix` / `symbols_prefix`, nemo_dcr.prefix: a GPU codes
+           them itself); the rest as version 5 codes them. With 5, tensors are copied to
+           the host and coded there.
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
     if version not in WRITABLE_VERSIONS:
         raise ValueError(f"version must be {writable_versions_text()} (the versions this encoder writes), "
                          f"got {version!r}")
-    joint_ok = _VERSIONS[version].joint
     h = payload.header
     _check_identity(h, ValueError)
     if h.target_version == h.base_version and any(Op(r.op) is not Op.OVERWRITE for r in payload.records):
@@ -318,7 +301,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
             vals = _values_bits(r.values, dt, where)
             if vals.shape[0] != pos.shape[0]:
                 raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
-            pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps, joint_ok)
+            pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps)
         count = int(pos.shape[0])
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
@@ -341,7 +324,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
     flags = FLAG_HMAC if key is not None else 0
     # Checksum and HMAC over the parts as they are, then one join: no whole-payload copies.
     parts = [_PREFIX.pack(MAGIC, version, flags, len(hbytes)), hbytes, *sections]
-    parts.append(_VERSIONS[version].checksum(*parts))
+    parts.append(_checksum(*parts))
     if key is not None:
         mac = hmac.new(_key_bytes(key), digestmod=hashlib.sha256)
         for part in parts:
@@ -377,9 +360,9 @@ _PAIR_MIN = 4096
 
 def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int,
                    cctx: zstandard.ZstdCompressor, dense: str, where: str,
-                   gp: GapsParts | None = None, joint_ok: bool = True) -> tuple[_Choice, _Choice]:
+                   gp: GapsParts | None = None) -> tuple[_Choice, _Choice]:
     """(positions, values) sections of one record: the smallest of the encodings that fit.
-    gp: gaps_parts(pos), when already computed; joint_ok: whether the joint stream may be used (v5)."""
+    gp: gaps_parts(pos), when already computed."""
     count = int(pos.size)
     if count == 0:  # no changes: an empty runs section and an empty planes section
         return _Choice("runs", [], 0), _Choice("planes", [], 0)
@@ -392,7 +375,7 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
         gp = gaps_parts(pos, reuse=True) if gp is None else gp
         vp = value_parts(vals, dt.itemsize)
         joint = None
-        if joint_ok and vp is not None and not _runs_worth_trying(count, gp.zeros):
+        if vp is not None and not _runs_worth_trying(count, gp.zeros):
             joint = encode_joint(gp, vp, count * dt.itemsize // 2)  # over that, planes are tried
         if joint is not None:
             pchoice, vchoice = _frame("gaps_joint", joint[0], cctx), _frame("symbols_joint", joint[1], cctx)
@@ -773,7 +756,7 @@ def decode(
     expected: Expected | None = None,
     limits: DecodeLimits = DecodeLimits(),
 ) -> Payload:
-    """Validate and decode a payload (format v5, v4 or v3); raise PayloadRejected(payload_id, reason) if bad.
+    """Validate and decode a payload (format v5 or v6); raise PayloadRejected(payload_id, reason) if bad.
 
     key: when given the payload must carry a valid HMAC; a signed payload is also
          rejected when no key is given (it cannot be verified).
@@ -791,8 +774,8 @@ def decode(
             why = "truncated" if want > len(mv) else "trailing bytes"
             raise _Bad(f"{why}: header declares a {want}-byte payload, got {len(mv)} bytes")
         end = PREFIX_BYTES + hlen + body_len
-        if not hmac.compare_digest(version.checksum(mv[:end]), mv[end:end + CHECKSUM_BYTES]):
-            raise _Bad(f"checksum mismatch ({version.checksum_name}): payload corrupt or truncated")
+        if not hmac.compare_digest(_checksum(mv[:end]), mv[end:end + CHECKSUM_BYTES]):
+            raise _Bad("checksum mismatch (XXH3-128): payload corrupt or truncated")
         signed = bool(flags & FLAG_HMAC)
         if signed and kbytes is None:
             raise _Bad("payload carries an HMAC but no key is configured to verify it")
@@ -850,9 +833,7 @@ def _parse_prefix(mv: memoryview, limits: DecodeLimits) -> tuple[_Version, int, 
     _, number, flags, hlen = _PREFIX.unpack(mv[:PREFIX_BYTES])
     version = _VERSIONS.get(number)
     if version is None:
-        known = [str(v) for v in sorted(_VERSIONS)]
-        raise _Bad(f"unsupported format version {number} (this decoder reads "
-                   f"{', '.join(known[:-1])} and {known[-1]})")
+        raise _Bad(f"unsupported format version {number} (this decoder reads {readable_versions_text()})")
     if flags & ~FLAG_HMAC:
         raise _Bad(f"unknown flag bits 0x{flags & ~FLAG_HMAC:04x}")
     if hlen > limits.max_header_bytes:
@@ -1020,18 +1001,15 @@ def _section(obj: dict[str, Any], where: str, cursor: int, limits: DecodeLimits)
 
 
 def _check_version(encoding: str, kind: str, version: _Version, where: str) -> None:
-    """_Bad when the payload's format version has no such encoding (joint: 5, prefix: 6)."""
-    if encoding in _JOINT and not version.joint:
-        raise _Bad(f"{where}: {kind} encoding {encoding!r} needs format version 5")
+    """_Bad when the payload's format version has no such encoding (prefix: 6)."""
     if encoding in _PREFIX_CODED and not version.prefix:
         raise _Bad(f"{where}: {kind} encoding {encoding!r} needs format version 6")
 
 
-def _encoding_fields(obj: dict[str, Any], keys: frozenset[str], where: str, version: _Version) -> dict[str, Any]:
-    """`_fields` of a positions / values object; one with a section may also say "stored" (v4),
+def _encoding_fields(obj: dict[str, Any], keys: frozenset[str], where: str) -> dict[str, Any]:
+    """`_fields` of a positions / values object; one with a section may also say "stored",
     whatever its encoding: the section's parser checks its bytes either way."""
-    stored_ok = version.stored_sections and _SECTION_KEYS <= keys
-    return _fields(obj, keys, where, _STORED_ONLY if stored_ok else frozenset())
+    return _fields(obj, keys, where, _STORED_ONLY if _SECTION_KEYS <= keys else frozenset())
 
 
 def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: _Version
@@ -1064,7 +1042,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
     if not isinstance(penc, str) or penc not in _POSITION_KEYS:  # (a list would not even hash)
         raise _Bad(f"{where}: unknown position encoding {penc!r}")
     _check_version(penc, "position", version, where)
-    pobj = _encoding_fields(pobj, _POSITION_KEYS[penc], f"{where} positions", version)
+    pobj = _encoding_fields(pobj, _POSITION_KEYS[penc], f"{where} positions")
     psec = None
     raw = 0
     m = count  # values carried in the values section
@@ -1102,7 +1080,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
         if (penc == pair[0]) != (venc == pair[1]):
             raise _Bad(f"{where}: {pair[0]!r} positions and {pair[1]!r} values come together "
                        f"(got {penc!r} / {venc!r})")
-    vobj = _encoding_fields(vobj, _VALUE_KEYS[venc], f"{where} values", version)
+    vobj = _encoding_fields(vobj, _VALUE_KEYS[venc], f"{where} values")
     width = _int(vobj["width"], where, "values width")
     if width != dt.itemsize:
         raise _Bad(f"{where}: value width {width} != {dt.name} itemsize {dt.itemsize}")

@@ -1,5 +1,5 @@
 """Compiled single-pass kernels for the trainer hot path and the rANS coder of the wire format
-(introduced in v3; the joint stream of v5).
+(v5's streams and joint stream; v6's prefix-stream decoder).
 
 Everything here is plain Python over numpy arrays, written so that numba can compile it
 (`numba.njit`). With numba installed (a dependency, see pyproject.toml) the kernels run

@@ -1,5 +1,5 @@
-"""Position encodings and entropy-coded streams for the wire codec (introduced in format
-v3, unchanged in v4 and v5; docs/wire-format.md).
+"""Position encodings and entropy-coded streams for the wire codec (formats v5 and v6;
+docs/wire-format.md).
 
 Two position encodings live here: `runs` (below, v1's encoding, kept for records made
 of long runs and for tiny records) and `gaps_rans` (Rice-split gaps whose quotients are

@@ -252,8 +252,8 @@ class Producer:
         and they are sent from this thread, in order. With threads, the process should keep
         freed memory (`nemo_dcr.malloc.keep_freed_memory`): glibc's per-thread arenas
         otherwise fault in fresh pages for every payload (docs/design-notes.md).
-        `wire_version`: the format the payloads (and anchors) are written in: 5, or 4 while
-        some receivers still run a release that reads only 4 (docs/wire-format.md), or 6.
+        `wire_version`: the format the payloads (and anchors) are written in: 5, the host
+        format, or 6, the device format (experimental; docs/wire-format.md).
         `device_coding` (with wire_version 6): "gpu" (default): the changes of ranges that
         live on a GPU stay there - placed, gathered into records and coded there (format
         v6's prefix streams, `nemo_dcr.prefix`); only the positions and new bits the

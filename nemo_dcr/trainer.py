@@ -149,7 +149,7 @@ class TrainerRefit:
     `max_attempts`: tries of one transfer before it is aborted (the retries are in place:
     what receivers finished stays, the rest is re-sent as overwrites). `log`: a callable
     taking one line, told about each failed attempt. `wire_version`: the wire format of
-    the payloads and anchors (5; 4 while some receivers run a release that reads only 4).
+    the payloads and anchors (5, the host format; 6, the device format, experimental).
 
     `history` (a directory, "s3" for the s3 transport's bucket, or a `nemo_dcr.history.
     History`): after each commit the version's payloads are stored there as its delta,

@@ -7,8 +7,8 @@ a memory blow-up or a written byte.
 A corpus of valid payloads (every encoding the encoder writes: sparse and dense,
 gap-coded and run-coded positions, rANS-coded and byte-plane values, stored and zstd
 sections, xor / add / overwrite, several dtypes, signed and unsigned; format v5, the
-default, with joint streams for its larger records, the same records as v4 and as v6's
-prefix-coded streams, and some payloads as format v3, which the decoder still reads) is
+default, with joint streams for its larger records, the same records in two rANS streams
+and as v6's prefix-coded streams) is
 mutated in ways that reach every layer of the decoder:
 * raw damage: truncation, bit flips, byte runs overwritten, bytes inserted or deleted;
 * resealed damage (the checksum of the payload's format version, and the HMAC where the
@@ -31,6 +31,7 @@ a table; any crash, hang or memory error is listed with its seed and mutation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import json
@@ -90,36 +91,30 @@ def corpus(seed: int = 0) -> list[tuple[bytes, bytes | None]]:
             for key in (None, KEY):
                 data = codec.encode(Payload(HEADER, recs), key=key)
                 out.append((data, key))
-                if op is Op.XOR:
-                    out.append((as_v3(codec.encode(Payload(HEADER, recs), key=key, version=4), key), key))
-    # Records of >= 4096 changes: one joint stream (v5), two streams in v4, and (handed to
-    # the codec as tensors) one prefix-coded bit stream (v6).
+    # Records of >= 4096 changes: one joint stream (v5), two streams (where the joint stream
+    # would not pay), and (handed to the codec as tensors) one prefix-coded bit stream (v6).
     for op in (Op.XOR, Op.ADD):
         recs = [_record(rng, "f", op, 0.05)]
         tensors = [Record(r.name, r.dtype, r.shape, r.op, torch.from_numpy(r.positions.astype(np.int64)),
                           torch.from_numpy(r.values.view(np.int16))) for r in recs]
         for key in (None, KEY):
-            out += [(codec.encode(Payload(HEADER, recs), key=key, version=v), key) for v in (5, 4)]
+            out.append((codec.encode(Payload(HEADER, recs), key=key), key))
+            with _two_streams():
+                out.append((codec.encode(Payload(HEADER, recs), key=key), key))
             out.append((codec.encode(Payload(HEADER, tensors), key=key, version=6), key))
     out.append((codec.encode(Payload(HEADER, []), key=None), None))
     return out
 
 
-def as_v3(data: bytes, key: bytes | None) -> bytes:
-    """A v4 payload (no joint streams) as a v3 encoder wrote it: every stored section a zstd
-    frame, a BLAKE2b trailer."""
-    _, flags, header, body = _split(data)
-    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
-    frames = []
-    for sec in (r[w] for r in header["records"] for w in ("positions", "values")):
-        if "offset" not in sec:
-            continue
-        frame = body[sec["offset"]:sec["offset"] + sec["length"]]
-        if sec.pop("stored", False):
-            frame = cctx.compress(frame)
-        sec["offset"], sec["length"] = sum(map(len, frames)), len(frame)
-        frames.append(frame)
-    return _seal(3, flags, header, b"".join(frames), key)
+@contextlib.contextmanager
+def _two_streams():
+    """The encoder with the joint stream turned down: large records in two rANS streams."""
+    saved = codec.encode_joint
+    codec.encode_joint = lambda *args: None
+    try:
+        yield
+    finally:
+        codec.encode_joint = saved
 
 
 # --- mutations ----------------------------------------------------------------------------
@@ -135,8 +130,7 @@ def _split(data: bytes):
 def _seal(version: int, flags: int, header: dict, body: bytes, key: bytes | None) -> bytes:
     hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     head = PREFIX.pack(b"NDCR", version, flags, len(hbytes)) + hbytes + body
-    # v3's checksum for v3; v4's for v4 and for the versions a decoder must refuse anyway.
-    out = head + (hashlib.blake2b(head, digest_size=16).digest() if version == 3 else xxhash.xxh3_128_digest(head))
+    out = head + xxhash.xxh3_128_digest(head)  # for the versions a decoder must refuse too
     if flags & 1:
         out += hmac.new(key or b"", out, hashlib.sha256).digest()
     return out
@@ -239,7 +233,7 @@ def mutate(data: bytes, key: bytes | None, rng: random.Random) -> tuple[bytes, b
         return bytes(b[:i] + b[i + rng.randint(1, 32):]), key, kind
     version, flags, header, body = _split(data)
     if kind == "version":
-        others = [v for v in (0, 1, 2, 3, 4, 5, 6, 7, 65535) if v != version]  # 3 <-> 4: the other rules apply
+        others = [v for v in (0, 1, 2, 3, 4, 5, 6, 7, 65535) if v != version]  # 5 <-> 6: v6's rules apply
         return _seal(rng.choice(others), flags, header, body, key), key, kind
     if kind == "wrong-key":
         return _seal(version, flags | 1, header, body, b"another-key"), KEY, kind

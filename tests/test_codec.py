@@ -1,4 +1,4 @@
-"""Wire codec v4 (and decoding v3): round trips, every rejection reason, and fuzzing (invariant 4)."""
+"""Wire codec v5 and v6: round trips, every rejection reason, and fuzzing (invariant 4)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr import dtypes, kernels
+from nemo_dcr import codec, dtypes, kernels
 from nemo_dcr.codec import (
     CHECKSUM_BYTES,
     FLAG_HMAC,
@@ -109,10 +109,8 @@ def split(data: bytes) -> tuple[int, dict, list[dict]]:
     return flags, header, secs
 
 
-def checksum(data: bytes, version=FORMAT_VERSION) -> bytes:
-    """The trailer checksum: BLAKE2b-128 in v3, XXH3-128 (canonical, big-endian) from v4 on."""
-    if version == 3:
-        return hashlib.blake2b(data, digest_size=CHECKSUM_BYTES).digest()
+def checksum(data: bytes) -> bytes:
+    """The trailer checksum: XXH3-128 (canonical, big-endian)."""
     return xxhash.xxh3_128_digest(data)
 
 
@@ -120,7 +118,7 @@ def assemble(hbytes: bytes, body: bytes, *, key=None, flags=None, magic=MAGIC, v
     if flags is None:
         flags = FLAG_HMAC if key is not None else 0
     out = struct.pack("<4sHHI", magic, version, flags, len(hbytes)) + hbytes + body
-    out += checksum(out, version)
+    out += checksum(out)
     if key is not None:
         out += hmac.new(key, out, hashlib.sha256).digest()
     return out
@@ -160,17 +158,6 @@ def set_section(header, secs, i, part, raw: bytes, frame: bytes | None = None):
     if frame is None:
         frame = raw if meta.get("stored") else zc(raw)
     secs[i][part] = frame
-
-
-def as_v3(data: bytes, key=None) -> bytes:
-    """The same payload in format v3, as a v3 encoder wrote it: every stored section becomes a
-    zstd frame (v3 has no "stored"), and the trailer is BLAKE2b-128."""
-    _, header, secs = split(data)
-    for r, s in zip(header["records"], secs):
-        for part in ("positions", "values"):
-            if r[part].pop("stored", False):
-                s[part] = zc(s[part], write_content_size=True)
-    return rejoin(header, secs, key=key, version=3)
 
 
 def sample() -> bytes:
@@ -453,9 +440,10 @@ def test_bad_magic_version_flags():
     e = reject(b"XDCR" + data[4:], "bad magic")
     assert e.payload_id is None
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=7), "unsupported format version 7 (this decoder reads 3, 4, 5 and 6)")
+    reads = "(this decoder reads 5, the host format, and 6, the device format)"
+    reject(rejoin(header, secs, version=7), f"unsupported format version 7 {reads}")
     _, header, secs = split(data)
-    reject(rejoin(header, secs, version=2), "unsupported format version 2 (this decoder reads 3, 4, 5 and 6)")
+    reject(rejoin(header, secs, version=2), f"unsupported format version 2 {reads}")
     _, header, secs = split(data)
     reject(rejoin(header, secs, version=1), "unsupported format version 1")
     _, header, secs = split(data)
@@ -487,16 +475,14 @@ def test_checksum_mismatch():
 
 
 def test_checksum_is_xxh3_128_big_endian():
-    """v4's trailer: XXH3-128 (seed 0) of everything before it, in the canonical big-endian form."""
+    """The trailer: XXH3-128 (seed 0) of everything before it, in the canonical big-endian form."""
     data = sample()
     core, trailer = data[:-CHECKSUM_BYTES], data[-CHECKSUM_BYTES:]
     assert trailer == xxhash.xxh3_128_intdigest(core).to_bytes(16, "big") == xxhash.xxh3_128_digest(core)
     # The reference test vector (xxHash's XXH3_128bits of empty input), as docs/wire-format.md states it.
     assert xxhash.xxh3_128_digest(b"").hex() == "99aa06d3014798d86001c324468d497f"
-    # A BLAKE2b trailer (v3's) on a v4 payload is a mismatch, and the reverse.
-    reject(core + checksum(core, version=3), "checksum mismatch (XXH3-128)")
-    v3 = as_v3(data)
-    reject(v3[:-CHECKSUM_BYTES] + checksum(v3[:-CHECKSUM_BYTES]), "checksum mismatch (BLAKE2b-128)")
+    # Another 128-bit digest in its place is a mismatch.
+    reject(core + hashlib.blake2b(core, digest_size=CHECKSUM_BYTES).digest(), "checksum mismatch (XXH3-128)")
 
 
 def test_not_bytes():
@@ -913,17 +899,19 @@ def encodings(data):
     return [(r["positions"]["encoding"], r["values"]["encoding"]) for r in h["records"]]
 
 
-def test_large_sparse_record_uses_gaps_and_symbols():
+
+def test_large_sparse_record_uses_gaps_and_symbols(monkeypatch):
     p = payload(ulp_record("w", 200_000, 0.01), ulp_record("v", 200_000, 0.03, op=Op.ADD, seed=1))
     data = encode(p)
     # the first has fewer changes than _PAIR_MIN (2000): two streams; the second one joint stream
     assert encodings(data) == [("gaps_rans", "symbols_rans"), ("gaps_joint", "symbols_joint")]
     assert_same(p, decode(data))
     assert len(data) < 1.2 * sum(len(r) for r in p.records) + 1000  # ~1 byte per change, not 10
-    v4 = encode(p, version=4)  # two streams a record, as version 4 coded them
-    assert encodings(v4) == [("gaps_rans", "symbols_rans"), ("gaps_rans", "symbols_rans")]
-    assert_same(p, decode(v4))
-    assert len(v4) * 0.995 < len(data) < len(v4) * 1.005  # the joint model's rounding only
+    monkeypatch.setattr(codec, "encode_joint", lambda *args: None)
+    two = encode(p)  # two streams a record (both coded in one pass)
+    assert encodings(two) == [("gaps_rans", "symbols_rans"), ("gaps_rans", "symbols_rans")]
+    assert_same(p, decode(two))
+    assert len(two) * 0.995 < len(data) < len(two) * 1.005  # the joint model's rounding only
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -983,7 +971,7 @@ def test_gaps_beyond_2_32_and_2_62():
 @pytest.mark.parametrize("part, old, gone", [("positions", "gaps_rans", "gaps"),
                                              ("values", "symbols_rans", "symbols")])
 def test_v2_constriction_encodings_are_unknown(part, old, gone):
-    """v2's `gaps` / `symbols` (constriction-coded) are not part of v3 or v4: a payload naming
+    """v2's `gaps` / `symbols` (constriction-coded) are not part of v5 or v6: a payload naming
     them is rejected like any unknown encoding, by name, from the header alone."""
     data = encode(payload(ulp_record("w", 100_000, 0.02)))
     assert encodings(data) == [("gaps_rans", "symbols_rans")]
@@ -1016,15 +1004,17 @@ def test_joint_records_of_narrow_values_decode_to_their_values(dtype):
     assert_same(p, decode(data))
 
 
-def test_value_symbols_escape_and_wide_alphabets():
+def test_value_symbols_escape_and_wide_alphabets(monkeypatch):
     rng = np.random.default_rng(9)
     n = 40_000
     common = rng.integers(1, 50, n)
     rare = rng.integers(1, 2**16, n)
     vals = np.where(rng.random(n) < 0.97, common, rare).astype(np.uint16)  # > VALUE_ALPHABET distinct
     p = payload(Record("s", "BF16", (2 * n,), Op.XOR, np.arange(n, dtype=np.uint64) * 2, vals))
-    for version, coded in ((5, "symbols_joint"), (4, "symbols_rans")):
-        data = encode(p, version=version)
+    for joint, coded in ((True, "symbols_joint"), (False, "symbols_rans")):
+        if not joint:
+            monkeypatch.setattr(codec, "encode_joint", lambda *args: None)
+        data = encode(p)
         assert encodings(data)[0][1] == coded
         assert_same(p, decode(data))
     wide = Record("f", "F64", (n,), Op.XOR, np.arange(n, dtype=np.uint64),
@@ -1091,19 +1081,22 @@ def test_symbol_stream_limits_checked_before_allocation():
     reject(edited(words_past_end, data), "positions")
 
 
-# -------------------------------------------------------------- v4 stored sections, v3 payloads
+# -------------------------------------------------------------- stored sections, format versions
 
 
 def rans_payload(key=None, version=FORMAT_VERSION) -> tuple[Payload, bytes]:
-    """A rANS-coded record (stored sections from v4 on; one joint stream in v5) beside
-    sample()'s runs / planes / all records."""
+    """A rANS-coded record (stored sections; one joint stream) beside sample()'s runs /
+    planes / all records."""
     p = payload(ulp_record("big", 200_000, 0.03), *decode(sample()).records)
     return p, encode(p, key=key, version=version)
 
 
-@pytest.mark.parametrize("version, coded", [(5, ("gaps_joint", "symbols_joint")), (4, ("gaps_rans", "symbols_rans"))])
-def test_rans_sections_are_stored_and_the_others_compressed(version, coded):
+@pytest.mark.parametrize("joint, coded", [(True, ("gaps_joint", "symbols_joint")), (False, ("gaps_rans", "symbols_rans"))])
+@pytest.mark.parametrize("version", [5, 6])
+def test_rans_sections_are_stored_and_the_others_compressed(version, joint, coded, monkeypatch):
     p, _ = rans_payload()
+    if not joint:
+        monkeypatch.setattr(codec, "encode_joint", lambda *args: None)
     data = encode(p, version=version)
     assert struct.unpack_from("<H", data, 4)[0] == version and FORMAT_VERSION == 5
     _, h, secs = split(data)
@@ -1171,7 +1164,7 @@ def test_stored_sections_keep_the_limits():
 def test_stored_flag_is_allowed_on_any_encoding():
     """Decision: "stored" belongs to the section, not to the encoding. The encoder stores only
     the rANS encodings (zstd cannot shrink them), but a runs / planes section stored raw is as
-    well defined, and each section's parser checks its raw bytes either way, so v4 accepts it."""
+    well defined, and each section's parser checks its raw bytes either way, so it is accepted."""
     def store_everything(h, s):
         for i, r in enumerate(h["records"]):
             for part in ("positions", "values"):
@@ -1200,58 +1193,42 @@ def test_decoding_stored_sections_never_aliases_or_writes_the_input():
         assert r.positions.flags.writeable and r.values.flags.writeable
 
 
+@pytest.mark.parametrize("number", [3, 4])
 @pytest.mark.parametrize("key", [None, KEY])
-def test_v3_payloads_still_decode(key):
-    """Stored histories may hold v3 deltas: zstd frames for every section, a BLAKE2b trailer."""
-    p, data = rans_payload(key, version=4)
-    v3 = as_v3(data, key)
-    assert struct.unpack_from("<H", v3, 4)[0] == 3 and b'"stored"' not in v3
-    end = len(v3) - (HMAC_BYTES if key else 0)
-    assert v3[end - CHECKSUM_BYTES:end] == checksum(v3[:end - CHECKSUM_BYTES], version=3)
-    assert_same(p, decode(v3, key=key))
-    assert peek_header(v3) == HDR
-    assert abs(len(v3) - len(data)) < 100  # the same coded bits; only the framing differs
-    if key:
-        reject(v3, "HMAC mismatch", key=b"another key")
+def test_earlier_format_versions_are_refused(number, key):
+    """Only the host format (5) and the device format (6) are read: a payload that says 3 or 4,
+    its checksum and HMAC valid, is refused by its number, naming what is read."""
+    _, data = rans_payload(key)
+    _, header, secs = split(data[:-HMAC_BYTES] if key else data)
+    old = rejoin(header, secs, key=key, version=number)
+    why = f"unsupported format version {number} (this decoder reads 5, the host format, and 6, the device format)"
+    assert reject(old, why, key=key).payload_id is None
+    with pytest.raises(PayloadRejected, match=rf"unsupported format version {number} "):
+        peek_header(old)
+    with pytest.raises(ValueError, match=rf"version must be 5 or 6 \(the versions this encoder writes\), got {number}"):
+        encode(payload(rec("w", "BF16", (8,), [1])), version=number)
 
 
-def test_joint_encodings_need_version_5_and_each_other():
-    """gaps_joint / symbols_joint: only in v5 payloads, and only as a record's pair."""
+def test_joint_encodings_come_together(monkeypatch):
+    """gaps_joint / symbols_joint: only as a record's pair."""
     _, data = rans_payload()
     _, h, _ = split(data)
     assert (h["records"][0]["positions"]["encoding"], h["records"][0]["values"]["encoding"]) == \
         ("gaps_joint", "symbols_joint")
-    for version in (4, 3):
-        reject(edited(lambda h, s: None, data, version=version),
-               "position encoding 'gaps_joint' needs format version 5")
 
     def values_alone(h, s):
         h["records"][0]["positions"]["encoding"] = "gaps_rans"
     reject(edited(values_alone, data), "'gaps_joint' positions and 'symbols_joint' values come together "
                                        "(got 'gaps_rans' / 'symbols_joint')")
-    _, v4 = rans_payload(version=4)
+    monkeypatch.setattr(codec, "encode_joint", lambda *args: None)
+    _, two = rans_payload()
 
     def positions_alone(h, s):
         h["records"][0]["positions"]["encoding"] = "gaps_joint"
-    reject(edited(positions_alone, v4, version=5), "(got 'gaps_joint' / 'symbols_rans')")
+    reject(edited(positions_alone, two), "(got 'gaps_joint' / 'symbols_rans')")
 
     def swapped(h, s):  # each section parsed as the other kind fails on its own bytes
         h["records"][0]["positions"]["encoding"] = "gaps_rans"
         h["records"][0]["values"]["encoding"] = "symbols_rans"
     with pytest.raises(PayloadRejected, match="record 'big' (positions|values)"):
         decode(edited(swapped, data))
-
-
-def test_v3_payloads_have_no_stored_sections():
-    _, data = rans_payload(version=4)
-    v3 = as_v3(data)
-
-    def stored_in_v3(h, s):  # v3 knows no "stored": an unknown field, even with a valid frame
-        h["records"][0]["positions"]["stored"] = True
-    reject(edited(stored_in_v3, v3, version=3), "unknown field(s) ['stored']")
-    with pytest.raises(PayloadRejected, match=r"unknown field\(s\) \['stored'\]"):
-        peek_header(edited(stored_in_v3, v3, version=3))
-
-    def raw_in_v3(h, s):  # a raw section (raw_length unchanged) where v3 needs a zstd frame
-        s[0]["positions"] = zstandard.ZstdDecompressor().decompress(s[0]["positions"])
-    reject(edited(raw_in_v3, v3, version=3), "not a zstd frame")

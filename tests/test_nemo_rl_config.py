@@ -80,7 +80,7 @@ def with_block(**changes) -> dict:
     ({"timout_s": 5}, f"{PATH}.timout_s: unknown field (known: "),
     ({"timeout_s": 0}, f"{PATH}.timeout_s: Input should be greater than 0"),
     ({"max_attempts": 0}, f"{PATH}.max_attempts: Input should be greater than or equal to 1"),
-    ({"wire_version": 3}, f"{PATH}.wire_version: must be 4, 5 or 6"),
+    ({"wire_version": 4}, f"{PATH}.wire_version: must be 5 or 6"),
     ({"local": {"dir": "/dev/shm/x", "bogus": 1}}, f"{PATH}.local.bogus: unknown local transport setting"),
     ({"s3": {"bucket": "b"}}, f"{PATH}.s3: settings for a transport that is not selected (transport: local)"),
     ({"transport": "s3", "local": None, "s3": {"region": "x"}}, f"{PATH}.s3.bucket is required by the s3 transport"),

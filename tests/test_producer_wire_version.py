@@ -1,7 +1,7 @@
-"""Producer(wire_version=...): the wire format its payloads are written in - 5 by default
-(large records as one joint rANS stream), 4 for receivers that read only version 4, 6 with
+"""Producer(wire_version=...): the wire format its payloads are written in - 5, the host
+format, by default (large records as one joint rANS stream), or 6, the device format, with
 the changes of GPU-held ranges kept and coded on the device (device_coding; "always" runs
-that torch path on CPU tensors here) - with the same records every way."""
+that torch path on CPU tensors here) - with the same records either way."""
 
 import struct
 
@@ -55,11 +55,11 @@ def _same_records(a: list[bytes], b: list[bytes]) -> None:
             np.testing.assert_array_equal(p.values, q.values)
 
 
-def test_payloads_are_v5_by_default_and_v4_on_request():
-    v5, v4 = _payloads(), _payloads(wire_version=4)
-    assert [struct.unpack_from("<H", d, 4)[0] for d in v5 + v4] == [5] * len(v5) + [4] * len(v4)
-    assert any(b'"gaps_joint"' in d for d in v5) and not any(b'"gaps_joint"' in d for d in v4)
-    _same_records(v5, v4)
+def test_payloads_are_v5_by_default():
+    v5 = _payloads()
+    assert [struct.unpack_from("<H", d, 4)[0] for d in v5] == [5] * len(v5)
+    assert any(b'"gaps_joint"' in d for d in v5)
+    _same_records(v5, _payloads(wire_version=6, device_coding="never"))  # v6 without the device path
 
 
 @pytest.mark.parametrize("pieces", list(PIECES))
@@ -87,8 +87,8 @@ def test_device_coding_digests_and_version_rules():
         _payloads(device_coding="cpu")
 
 
-@pytest.mark.parametrize("bad", [3, 7, "5", True, None])
+@pytest.mark.parametrize("bad", [3, 4, 7, "5", True, None])
 def test_unknown_wire_version_is_refused(bad):
-    with pytest.raises(ValueError, match=rf"wire_version must be 4, 5 or 6 \(the formats payloads can be written in\), "
+    with pytest.raises(ValueError, match=rf"wire_version must be 5 or 6 \(the formats payloads can be written in\), "
                                          rf"got {bad!r}"):
         _payloads(wire_version=bad)

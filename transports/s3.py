@@ -39,7 +39,7 @@ Choices, and why:
   last 4096 keys) and drops the same message under the same key.
 - Integrity: every object carries its SHA-256, checked by the server on writes and by the
   reader on every read (see `s3_store`). A payload that fails its check in three reads is
-  rejected by the receiver with that reason. The codec's BLAKE2b/HMAC still protect end to end.
+  rejected by the receiver with that reason. The codec's XXH3-128/HMAC still protect end to end.
 - Back-pressure: `send` uploads in the background (`upload_concurrency` at a time) and blocks
   while the payloads not yet staged by every receiver would exceed `max_in_flight_bytes`.
   Receivers fetch at most `prefetch` payloads ahead and write acks `ack_concurrency` at a
