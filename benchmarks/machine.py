@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 # Instruction-set extensions, as /proc/cpuinfo spells them, that tell the measured hosts
-# apart: the four AVX-512 ones are what `kernels.HAVE_VECTOR_DIFF` requires (without them
+# apart: the four AVX-512 ones are what `kernels.diff.HAVE_VECTOR_DIFF` requires (without them
 # the 16-bit diff takes the bit scan); AVX2 and BMI2 mark the older hosts' level.
 ISA_FLAGS = ("avx2", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vbmi2")
 

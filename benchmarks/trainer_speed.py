@@ -252,7 +252,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"[trainer_speed] {total:,} BF16 elements ({2 * total / 2**20:.0f} MiB) on {args.device}, "
           f"{'one core' if not threads else f'one diffing thread + {threads} encoding'}, "
-          f"repeats={repeats}, compiled kernels {kernels.HAVE_NUMBA}, AVX-512 diff {kernels.HAVE_VECTOR_DIFF}",
+          f"repeats={repeats}, compiled kernels {kernels.common.HAVE_NUMBA}, "
+          f"AVX-512 diff {kernels.diff.HAVE_VECTOR_DIFF}",
           flush=True)
     rows_out = []
     cpu_clock = time.process_time if threads else time.thread_time  # with encode threads: the whole process's
@@ -326,7 +327,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if cuda else None, "elements": total, "threads": 1 + threads,
               "wire_version": args.wire_version, "device_coding": args.device_coding,
               "machine": machine_info(load_average_before=load_before, load_average=list(os.getloadavg())),
-              "compiled_kernels": kernels.HAVE_NUMBA, "vector_diff": kernels.HAVE_VECTOR_DIFF,
+              "compiled_kernels": kernels.common.HAVE_NUMBA, "vector_diff": kernels.diff.HAVE_VECTOR_DIFF,
               "rows": rows_out}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

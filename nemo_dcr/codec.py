@@ -450,12 +450,12 @@ def value_histogram(vals: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarra
         distinct = np.empty(min(v.size, 1 << (8 * width)), v.dtype)
         found = np.empty(distinct.size, np.int64)
         with _histogram_tables(width) as (table, lines):
-            k = kernels.histogram_lines(v, table, lines, distinct, found)
+            k = kernels.values.histogram_lines(v, table, lines, distinct, found)
         return distinct[:k], found[:k]
     return np.unique(vals, return_counts=True)
 
 
-_TABLES = threading.local()  # per thread: width -> the all-zero tables of kernels.histogram_lines
+_TABLES = threading.local()  # per thread: width -> the all-zero tables of kernels.values.histogram_lines
 
 
 def _zeroed_tables(width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -470,7 +470,7 @@ def _zeroed_tables(width: int) -> tuple[np.ndarray, np.ndarray]:
 @contextlib.contextmanager
 def _histogram_tables(width: int):
     """The thread's zeroed tables for a kernel that counts into them and zeroes them again
-    (`kernels.histogram_lines`); zeroed here when the kernel is interrupted half-way (as
+    (`kernels.values.histogram_lines`); zeroed here when the kernel is interrupted half-way (as
     Python, without numba): dirty tables would miscount every later histogram."""
     table, lines = _zeroed_tables(width)
     try:
@@ -501,7 +501,7 @@ def encode_value_symbols(vals: np.ndarray, width: int) -> bytes | None:
     sym = parts.sym
     if parts.lut is not None:
         sym = np.empty(parts.sym.size, np.int16)
-        kernels.map_symbols(parts.sym, parts.lut, sym)
+        kernels.values.map_symbols(parts.sym, parts.lut, sym)
     return b"".join(parts.chunks(encode_rans_chunks(sym, parts.counts)))
 
 
@@ -539,7 +539,7 @@ def value_parts(vals: np.ndarray, width: int) -> ValueParts | None:
         if not escape:  # the symbols are looked up while they are coded
             return ValueParts(head, np.ascontiguousarray(vals).view(bits), lut, counts, b"")
         sym = np.empty(vals.size, np.int16)
-        kernels.map_symbols(vals, lut, sym)
+        kernels.values.map_symbols(vals, lut, sym)
     else:
         idx = np.minimum(np.searchsorted(table, vals), max(literal - 1, 0)).astype(np.int32)
         sym = np.where(table[idx] == vals, idx, np.int32(literal)) if literal else np.zeros(vals.size, np.int32)
@@ -627,7 +627,7 @@ class _ValuesReader:
         ext = np.zeros(literal + escape, dtype=bits)
         ext[:literal] = self.table
         vals = np.empty(self.m, dtype=bits)
-        kernels.lookup(sym, ext, vals)
+        kernels.values.lookup(sym, ext, vals)
         if escape:
             hit = np.flatnonzero(sym == literal)
             vals[hit] = rd.take(hit.size * self.dt.itemsize, f"{where}: escaped values").view(bits)
@@ -656,7 +656,7 @@ def choose_op_from_add(add_values: np.ndarray, new_bits: np.ndarray, width: int)
     n = np.ascontiguousarray(new_bits).view(dtypes.unsigned(width))
     room = min(a.size, 1 << (8 * width))
     with _histogram_tables(width) as (table, lines):
-        hx, ha = kernels.xor_add_entropies(a, n, table, lines, np.empty(room, a.dtype), np.empty(room, np.int64))
+        hx, ha = kernels.values.xor_add_entropies(a, n, table, lines, np.empty(room, a.dtype), np.empty(room, np.int64))
     return Op.ADD if ha < hx else Op.XOR
 
 

@@ -8,12 +8,12 @@ CPU fast path with numba (`diff_arrays`, the producer's path; `diff` and
 the values the records carry (xor, add or the committed bits) into preallocated
 buffers, keeping only the changed elements (with a `DiffOutput`, the chunks of one range
 end to end in the same buffers). 16-bit inputs (BF16, F16) on an AVX-512 host
-take `kernels.diff16`: 128 elements per block, four 512-bit compares, and compress-stores
+take `kernels.diff.diff16`: 128 elements per block, four 512-bit compares, and compress-stores
 for the blocks that differ - no branch per element, at 6-8 GB/s of BF16 on one core of
 the reference machine for 0-0.1% changes and about 5 GB/s at 1-5% (a memory-bound
-two-input scan runs at about 8.5). Other hosts take `kernels.diff16_bitscan`: the same
+two-input scan runs at about 8.5). Other hosts take `kernels.diff.diff16_bitscan`: the same
 compares, and each block's masks walked bit by bit (one element's writes per change).
-Other widths take `kernels.diff_words` (int64 words, 32 per block, an OR skips clean
+Other widths take `kernels.diff.diff_words` (int64 words, 32 per block, an OR skips clean
 blocks) plus one vectorised pass per value array. Without numba, the numpy path
 (`_diff_cpu_words`) gives the same arrays: elements narrower than 8 bytes are compared
 as int64 words (4 BF16 elements per compare), the word mask is scanned 8 words at a time
@@ -63,7 +63,7 @@ def diff(current: torch.Tensor, committed: torch.Tensor) -> Delta:
             and current.numel() >= 64 and current.is_contiguous() and committed.is_contiguous()):
         a = current.detach().reshape(-1).numpy()
         b = committed.detach().reshape(-1).numpy()
-        pos, new, old = _diff_compiled(a, b) if kernels.HAVE_NUMBA else _diff_cpu_words(a, b)
+        pos, new, old = _diff_compiled(a, b) if kernels.common.HAVE_NUMBA else _diff_cpu_words(a, b)
         return Delta(torch.from_numpy(pos), torch.from_numpy(new), torch.from_numpy(old))
     positions = torch.ne(current, committed).nonzero().view(-1)
     return Delta(positions, current[positions], committed[positions])
@@ -110,8 +110,8 @@ def _diff_compiled(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return pos, new, old
 
 
-_MODES = {("old",): kernels.DIFF_OLD, ("xor",): kernels.DIFF_XOR, ("add",): kernels.DIFF_ADD,
-          (): kernels.DIFF_NONE}
+_MODES = {("old",): kernels.diff.DIFF_OLD, ("xor",): kernels.diff.DIFF_XOR, ("add",): kernels.diff.DIFF_ADD,
+          (): kernels.diff.DIFF_NONE}
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Rows:
     """Row skips for `diff_arrays` positions: an element at index i >= `end` has its position
     `skip` larger for every row end at or before it - `end`, `end + length`, ... - so a
     chunk of a local tensor whose rows lie apart in the canonical tensor (a row-parallel
-    shard's) gets canonical positions from the diff itself (`kernels.diff16`'s rows)."""
+    shard's) gets canonical positions from the diff itself (`kernels.diff.diff16`'s rows)."""
 
     end: int
     length: int
@@ -127,8 +127,8 @@ class Rows:
 
     def fits_blocks(self) -> bool:
         """Whether every row ends on a DIFF_BLOCK boundary (the scans check rows a block at a time)."""
-        return self.end >= 0 and self.length > 0 and self.end % kernels.DIFF_BLOCK == 0 \
-            and self.length % kernels.DIFF_BLOCK == 0
+        return self.end >= 0 and self.length > 0 and self.end % kernels.diff.DIFF_BLOCK == 0 \
+            and self.length % kernels.diff.DIFF_BLOCK == 0
 
     def position(self, index, base: int = 0) -> np.ndarray:
         """base + index plus its row skips, as int64 (an array of indices, or one index)."""
@@ -177,9 +177,9 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     or new - old wrapping around (two's complement, on the bit view).
     Every array has a's dtype except the positions. `narrow`: int32 positions from the
     16-bit scan when base + len(a) < 2**31 (half its position compress-stores; callers
-    widen them where they copy anyway). 16-bit inputs take `kernels.diff16` on an
-    AVX-512 host, `kernels.diff16_bitscan` elsewhere (either scan writes the values
-    itself); other widths the word scan `kernels.diff_words` plus one vectorised pass per
+    widen them where they copy anyway). 16-bit inputs take `kernels.diff.diff16` on an
+    AVX-512 host, `kernels.diff.diff16_bitscan` elsewhere (either scan writes the values
+    itself); other widths the word scan `kernels.diff.diff_words` plus one vectorised pass per
     value array.
     `out`: the 16-bit scan writes there, after what earlier calls wrote (see DiffOutput).
     `rows`: positions with row skips (16-bit inputs only; see Rows)."""
@@ -188,7 +188,7 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     size = a.size
     if rows is not None and (a.itemsize != 2 or not rows.fits_blocks()):
-        raise ValueError(f"rows {rows} need 16-bit arrays and row ends on {kernels.DIFF_BLOCK}-element blocks")
+        raise ValueError(f"rows {rows} need 16-bit arrays and row ends on {kernels.diff.DIFF_BLOCK}-element blocks")
     if a.itemsize == 2:
         # Positions with `base` added by the scan itself; int32 ones (narrow) take two
         # compresses per 32 elements where int64 ones take four (diff16), and half the bytes.
@@ -203,9 +203,9 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
             bufs = [np.empty(cap, t) for t in kind]
         empty = np.empty(0, a.dtype)
 
-        scan = kernels.diff16 if kernels.HAVE_VECTOR_DIFF else kernels.diff16_bitscan
+        scan = kernels.diff.diff16 if kernels.diff.HAVE_VECTOR_DIFF else kernels.diff.diff16_bitscan
 
-        row_args = kernels.NO_ROWS if rows is None else (rows.end, rows.length, rows.skip)
+        row_args = kernels.diff.NO_ROWS if rows is None else (rows.end, rows.length, rows.skip)
 
         def call(i, n):
             return scan(a, b, i, base, bufs[0], bufs[1], bufs[2] if values else empty, mode, n, *row_args)
@@ -218,8 +218,8 @@ def diff_arrays(a: np.ndarray, b: np.ndarray, values: tuple[str, ...] = ("old",)
             return n
 
         n, i = call(0, start)
-        while i < size - size % kernels.DIFF_BLOCK:
-            n, i = call(i, grow(n, min(2 * (n - start), size - i) + kernels.DIFF_BLOCK))
+        while i < size - size % kernels.diff.DIFF_BLOCK:
+            n, i = call(i, grow(n, min(2 * (n - start), size - i) + kernels.diff.DIFF_BLOCK))
         if i < size:  # the tail after the last whole block
             t = np.flatnonzero(a[i:] != b[i:])
             if t.size:
@@ -249,7 +249,7 @@ def _values_of(new: np.ndarray, old: np.ndarray, kind: str) -> np.ndarray:
 
 
 def _diff_words_compiled(a: np.ndarray, b: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(positions, new, old) through the compiled word scan `kernels.diff_words`."""
+    """(positions, new, old) through the compiled word scan `kernels.diff.diff_words`."""
     per = 8 // a.itemsize
     nw = a.size // per
     aw = a[:nw * per].view(np.int64)
@@ -257,11 +257,11 @@ def _diff_words_compiled(a: np.ndarray, b: np.ndarray, cap: int) -> tuple[np.nda
     pos = np.empty(cap, np.int64)
     new = np.empty(cap, a.dtype)
     old = np.empty(cap, a.dtype)
-    n, w = kernels.diff_words(a, b, aw, bw, per, 0, pos, new, old, 0)
+    n, w = kernels.diff.diff_words(a, b, aw, bw, per, 0, pos, new, old, 0)
     while w < nw:
         cap = min(2 * cap, a.size + per)
         pos, new, old = (np.concatenate((x[:n], np.empty(cap - n, x.dtype))) for x in (pos, new, old))
-        n, w = kernels.diff_words(a, b, aw, bw, per, w, pos, new, old, n)
+        n, w = kernels.diff.diff_words(a, b, aw, bw, per, w, pos, new, old, n)
     rest = nw * per
     if rest < a.size:  # the last elements that do not fill a word
         t = np.flatnonzero(a[rest:] != b[rest:])

@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from nemo_dcr import dtypes
-from nemo_dcr.kernels import SCATTER_PREFETCH, jit, jit_inline, prefetch
+from nemo_dcr.kernels.common import jit, jit_inline
+from nemo_dcr.kernels.scatter import SCATTER_PREFETCH, prefetch
 from nemo_dcr.records import Op
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -140,11 +141,11 @@ def change_sums(pos, new, vals, op, mask, t0, t1):
 
 @jit
 def scatter_sums(flat, pos, vals, op, mask, t0, t1, out):
-    """`kernels.scatter_apply` that also adds to out[0], out[1] how the digest moves:
+    """`kernels.scatter.scatter_apply` that also adds to out[0], out[1] how the digest moves:
     flat[pos] ^= vals (op 0), += vals wrapping (op 1) or = vals (op 2), positions checked
     as they are written (strictly increasing, in [0, flat.size)). Returns 0, or 1 + the
     index of the first bad position (the changes before it are applied and in `out`).
-    Prefetches as `kernels.scatter_apply` does: the scattered lines are its cost."""
+    Prefetches as `kernels.scatter.scatter_apply` does: the scattered lines are its cost."""
     n = pos.size
     size = flat.size
     ahead = n - SCATTER_PREFETCH

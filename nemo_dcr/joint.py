@@ -4,12 +4,12 @@
 `gaps_rans` and `symbols_rans` code one symbol per change each, the gap's Rice quotient q
 and the value's table symbol v, in two streams: two coding steps per change. Here the
 pair is one symbol, j = q * A2 + v (A2 the values' alphabet), in one stream of four
-interleaved states (`kernels.rans_encode_joint`): one step per change, and four chains
+interleaved states (`kernels.joint.rans_encode_joint`): one step per change, and four chains
 for the decoder to overlap. Its model is not sent: it is the product of the two streams'
-quantised models (`kernels.rans_product_model`), which the sections carry as they would
+quantised models (`kernels.joint.rans_product_model`), which the sections carry as they would
 (the quotients' in the positions section, the values' in the values section). So the
 wire pays only the product model's rounding, estimated before coding
-(`kernels.joint_excess_bits`) and bounded by `MAX_EXCESS`; a record whose product has too
+(`kernels.joint.joint_excess_bits`) and bounded by `MAX_EXCESS`; a record whose product has too
 many cells, or whose rounding would cost more, keeps the two streams.
 
 Sections (everything else as in `gaps_rans` / `symbols_rans`):
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels as _k
+from . import kernels
 from .positions import GapsParts, GapsReader, PositionsError, model_bytes, rans_stream_chunks, rans_table
 
 # Cells (A1 * A2) a joint model may have: its tables stay small (the encoder's 32 bytes a
@@ -89,11 +89,11 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     # A float estimate: a record on the threshold's very edge could go either way between
     # builds (compiled or not); both decode to the same record.
     value_bits = 8.0 * (value_budget - len(vp.head) - len(vp.tail))
-    if not _k.joint_model(f1, f2, c1, c2, value_bits, MAX_EXCESS, freq, cum):
+    if not kernels.joint.joint_model(f1, f2, c1, c2, value_bits, MAX_EXCESS, freq, cum):
         return None
     lut = vp.lut if vp.lut is not None else np.arange(f2.size, dtype=np.int32)
     out = np.empty(gp.sym.size + 8, dtype="<u2")
-    start = _k.rans_encode_joint(gp.sym, vp.sym, lut, f2.size, freq, cum, out)
+    start = kernels.joint.rans_encode_joint(gp.sym, vp.sym, lut, f2.size, freq, cum, out)
     return gp.chunks(rans_stream_chunks(f1, out[start:])), vp.chunks([model_bytes(f2)])
 
 
@@ -108,7 +108,7 @@ def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int,
     slots, table = _decoding_table(f1, f2, values)
     q = np.empty(m, np.uint8)
     v = _value_fields(m, values)
-    _check_stream(_k.rans_decode_joint(words, slots, table, q, v))
+    _check_stream(kernels.joint.rans_decode_joint(words, slots, table, q, v))
     return q, v
 
 
@@ -117,7 +117,7 @@ def decode_joint_gaps(gaps: GapsReader, f2: np.ndarray, numel: int,
     """The record's positions (uint64, checked below numel) and its value fields (as
     `decode_joint`'s second array) from a `gaps_joint` section read up to its words and
     the values' model f2: `decode_joint` then `gaps.positions`, the same results and the
-    same errors, in one pass where the gaps' shift allows it (`kernels.rans_decode_joint_gaps`:
+    same errors, in one pass where the gaps' shift allows it (`kernels.joint.rans_decode_joint_gaps`:
     each gap joined as its quotient decodes: 0.80-0.87x the two passes' time on the Zen 3 host,
     BENCHMARKS.md)."""
     m, r = gaps.count, gaps.shift
@@ -128,7 +128,7 @@ def decode_joint_gaps(gaps: GapsReader, f2: np.ndarray, numel: int,
     slots, table = _decoding_table(gaps.model, f2, values)
     v = _value_fields(m, values)
     out = np.empty(m, np.int64)
-    status, escapes = _k.rans_decode_joint_gaps(gaps.words, slots, table, v, gaps.escape, r, low, out)
+    status, escapes = kernels.joint.rans_decode_joint_gaps(gaps.words, slots, table, v, gaps.escape, r, low, out)
     _check_stream(status)
     return gaps.joined(out, int(escapes), numel), v
 
@@ -145,15 +145,16 @@ def _decoding_table(f1: np.ndarray, f2: np.ndarray, values: np.ndarray | None) -
     f1 = f1.astype(np.int64)
     f2 = f2.astype(np.int64)
     freq = np.empty(cells, np.int64)
-    used = _k.rans_product_model(f1, f2, freq)
+    used = kernels.joint.rans_product_model(f1, f2, freq)
     if used < 2:
         raise PositionsError("joint stream: its model has fewer than two symbols")
     if PER_SLOT_TABLE:
-        slots, table = np.empty(0, np.uint8), np.empty(_k.PROB_SCALE, np.uint64)
+        slots, table = np.empty(0, np.uint8), np.empty(kernels.rans.PROB_SCALE, np.uint64)
     else:  # a byte a slot where it can: the smaller index stays nearer the core
-        slots, table = np.empty(_k.PROB_SCALE, np.uint8 if used <= 256 else np.uint16), np.empty(used, np.uint64)
+        slots = np.empty(kernels.rans.PROB_SCALE, np.uint8 if used <= 256 else np.uint16)
+        table = np.empty(used, np.uint64)
     vmap = np.arange(f2.size) if values is None else values
-    if _k.rans_joint_table(freq, f2.size, vmap, slots, table):
+    if kernels.joint.rans_joint_table(freq, f2.size, vmap, slots, table):
         raise PositionsError("joint stream: its model does not cover the 2**16 slots")
     return slots, table
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr import kernels as _kernels
+from nemo_dcr import kernels
 from nemo_dcr.diff import Rows
 
 _INT32 = np.iinfo(np.int32)
@@ -85,10 +85,10 @@ class Piece:
         if local.dtype in (np.int64, np.int32) and (self.rows <= 1 or self.row_stride == self.cols):
             d = self.offset - start
             return local if d == 0 and local.dtype == out_dtype else np.add(local, d, dtype=out_dtype)
-        if _kernels.HAVE_NUMBA and local.dtype in (np.int64, np.int32) and local.ndim == 1:
+        if kernels.common.HAVE_NUMBA and local.dtype in (np.int64, np.int32) and local.ndim == 1:
             out = np.empty(local.size, out_dtype) if alloc is None else alloc(local.size, out_dtype)
-            _kernels.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,  # one compiled pass
-                                  self.row_stride, out)
+            kernels.place.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,  # one compiled pass
+                                       self.row_stride, out)
             return out
         rel = local.astype(np.int64) - start
         r, c = np.divmod(rel, self.cols)

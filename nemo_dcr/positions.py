@@ -31,7 +31,7 @@ import threading
 
 import numpy as np
 
-from . import kernels as _k
+from . import kernels
 
 # Largest number of elements a canonical tensor may have on the wire. Positions are
 # therefore < 2**63 and fit a signed int64 as well (torch indexing is int64).
@@ -69,9 +69,9 @@ def leb128_encode(values: np.ndarray) -> np.ndarray:
         else np.ascontiguousarray(values, dtype=_U64)
     if x.size == 0:
         return np.empty(0, dtype=np.uint8)
-    if _k.HAVE_NUMBA:  # one compiled pass, the same bytes
+    if kernels.common.HAVE_NUMBA:  # one compiled pass, the same bytes
         out = np.empty(_MAX_VARINT_BYTES * x.size, dtype=np.uint8)
-        return out[:_k.leb128(x, out)]
+        return out[:kernels.varints.leb128(x, out)]
     # Bytes per value: 1 + number of 7-bit thresholds the value reaches.
     nbytes = np.ones(x.shape, dtype=np.int64)
     for k in range(1, _MAX_VARINT_BYTES):
@@ -97,9 +97,9 @@ def leb128_decode(buf: np.ndarray) -> np.ndarray:
     b = np.ascontiguousarray(buf, dtype=np.uint8)
     if b.size == 0:
         return np.empty(0, dtype=_U64)
-    if _k.HAVE_NUMBA:  # one compiled pass; on a bad varint the numpy checks below name it
+    if kernels.common.HAVE_NUMBA:  # one compiled pass; on a bad varint the numpy checks below name it
         out = np.empty(b.size, dtype=_U64)
-        k, end = _k.leb128_parse(b, 0, b.size, out)
+        k, end = kernels.varints.leb128_parse(b, 0, b.size, out)
         if k >= 0 and end == b.size:
             return out[:k]
     if b[-1] & 0x80:
@@ -136,9 +136,9 @@ def encode_runs(positions: np.ndarray) -> bytes:
     """
     if positions.size == 0:
         return b""
-    if _k.HAVE_NUMBA and positions.dtype in (_U64, _U32):  # one compiled pass, the same bytes
+    if kernels.common.HAVE_NUMBA and positions.dtype in (_U64, _U32):  # one compiled pass, the same bytes
         out = np.empty(2 * _MAX_VARINT_BYTES * positions.size, np.uint8)
-        return out[:_k.runs_leb128(np.ascontiguousarray(positions), out)].tobytes()
+        return out[:kernels.varints.runs_leb128(np.ascontiguousarray(positions), out)].tobytes()
     p = np.ascontiguousarray(positions, dtype=_U64)
     # A run starts where the previous index is not exactly one less.
     brk = np.flatnonzero(np.diff(p) != _U64(1)) + 1
@@ -208,8 +208,8 @@ def check_positions(positions: np.ndarray, numel: int) -> str | None:
         return f"positions must be 1-D, got shape {positions.shape}"
     if positions.size == 0:
         return None
-    if (_k.HAVE_NUMBA and positions.dtype in (_U64, _U32) and positions.flags.c_contiguous
-            and _k.strictly_increasing_below(signed_view(positions), numel - 1) == 0):
+    if (kernels.common.HAVE_NUMBA and positions.dtype in (_U64, _U32) and positions.flags.c_contiguous
+            and kernels.gaps.strictly_increasing_below(signed_view(positions), numel - 1) == 0):
         return None  # one compiled pass; on a failure the numpy checks below name it
     if np.any(positions[1:] <= positions[:-1]):
         return "positions not strictly increasing"
@@ -240,9 +240,9 @@ class Reader:
             raise PositionsError(f"{what}: {n} varints cannot fit in {self.left} bytes")
         if n == 0:
             return np.empty(0, dtype=_U64)
-        if _k.HAVE_NUMBA:  # one compiled pass (most calls read one varint); errors: below
+        if kernels.common.HAVE_NUMBA:  # one compiled pass (most calls read one varint); errors: below
             out = np.empty(n, dtype=_U64)
-            k, end = _k.leb128_parse(self.buf, self.pos, n, out)
+            k, end = kernels.varints.leb128_parse(self.buf, self.pos, n, out)
             if k == n:
                 self.pos = int(end)
                 return out
@@ -281,7 +281,7 @@ class Reader:
 def entropy_bits(counts: np.ndarray) -> float:
     """Empirical (order-0) entropy in bits of a sample with these symbol counts: sum c*log2(m/c)."""
     c = np.asarray(counts, dtype=np.int64)
-    return float(_k.entropy_of_counts(c, c.size))
+    return float(kernels.values.entropy_of_counts(c, c.size))
 
 
 # ================================================================ rANS streams
@@ -301,7 +301,7 @@ def entropy_bits(counts: np.ndarray) -> float:
 # read. Quantisation (`quantize`) is integer-only, so it is part of the format and the
 # same everywhere.
 
-RANS_SCALE = _k.PROB_SCALE
+RANS_SCALE = kernels.rans.PROB_SCALE
 
 
 def quantize(counts: np.ndarray) -> np.ndarray:
@@ -310,9 +310,9 @@ def quantize(counts: np.ndarray) -> np.ndarray:
     an excess is taken from the currently largest frequencies (first first), keeping >= 1."""
     counts = np.asarray(counts)
     if counts.dtype.kind in "iu" and counts.size:
-        # The same integers, compiled (kernels.rans_model) wherever its fast path applies.
+        # The same integers, compiled (kernels.rans.rans_model) wherever its fast path applies.
         freq = np.empty(counts.size, np.int64)
-        if _k.rans_model(counts.astype(np.int64, copy=False), freq, np.empty(counts.size, np.int64)) > 1:
+        if kernels.rans.rans_model(counts.astype(np.int64, copy=False), freq, np.empty(counts.size, np.int64)) > 1:
             return freq
     return _quantize_general(counts)
 
@@ -361,7 +361,7 @@ def encode_rans_chunks(symbols: np.ndarray, counts: np.ndarray) -> list:
         return [table]
     freq, cum = table
     out = np.empty(symbols.size + 4, dtype="<u2")
-    start = _k.rans_encode(symbols, freq, cum, out)
+    start = kernels.rans.rans_encode(symbols, freq, cum, out)
     return rans_stream_chunks(freq, out[start:])
 
 
@@ -369,12 +369,12 @@ def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, co
                      lut2: np.ndarray | None = None) -> tuple[list, list]:
     """(encode_rans(sym1, counts1), encode_rans(lut2[sym2], counts2)) as chunks - the same
     bytes - coding both streams in one compiled pass when they have the same length (their
-    dependency chains then overlap: `kernels.rans_encode2`). lut2=None: sym2 are the
+    dependency chains then overlap: `kernels.rans.rans_encode2`). lut2=None: sym2 are the
     symbols."""
     counts1 = np.asarray(counts1, dtype=np.int64)
     counts2 = np.asarray(counts2, dtype=np.int64)
     t1, t2 = rans_table(counts1), rans_table(counts2)
-    if isinstance(t1, bytes) or isinstance(t2, bytes) or sym1.size != sym2.size or not _k.HAVE_NUMBA:
+    if isinstance(t1, bytes) or isinstance(t2, bytes) or sym1.size != sym2.size or not kernels.common.HAVE_NUMBA:
         s2 = sym2 if lut2 is None else lut2[sym2]
         return ([t1] if isinstance(t1, bytes) else encode_rans_chunks(sym1, counts1),
                 [t2] if isinstance(t2, bytes) else encode_rans_chunks(s2, counts2))
@@ -382,7 +382,7 @@ def encode_rans_pair(sym1: np.ndarray, counts1: np.ndarray, sym2: np.ndarray, co
         lut2 = np.arange(counts2.size, dtype=np.int32)
     out1 = np.empty(sym1.size + 4, dtype="<u2")
     out2 = np.empty(sym2.size + 4, dtype="<u2")
-    s1, s2 = _k.rans_encode2(sym1, t1[0], t1[1], out1, sym2, lut2, t2[0], t2[1], out2)
+    s1, s2 = kernels.rans.rans_encode2(sym1, t1[0], t1[1], out1, sym2, lut2, t2[0], t2[1], out2)
     return rans_stream_chunks(t1[0], out1[s1:]), rans_stream_chunks(t2[0], out2[s2:])
 
 
@@ -392,7 +392,7 @@ def rans_table(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray] | bytes:
     alphabet = counts.size
     freq = np.empty(alphabet, np.int64)
     cum = np.empty(alphabet, np.int64)
-    used = _k.rans_model(counts, freq, cum)  # one compiled call: the common case
+    used = kernels.rans.rans_model(counts, freq, cum)  # one compiled call: the common case
     if used == -1:  # counts the fast path does not take (a sum >= 2**46, ...)
         used = int(np.count_nonzero(counts))
         if used > 1:
@@ -415,11 +415,11 @@ def rans_stream_chunks(freq: np.ndarray, words: np.ndarray) -> list:
 def read_model(r: Reader, max_alphabet: int, what: str) -> np.ndarray:
     """A stream's model at the reader's cursor (alphabet size, then every quantised
     frequency), checked: uint64 frequencies, 1 <= alphabet <= max_alphabet, summing to 2**16.
-    A valid model is read in one compiled call (`kernels.model_parse`); what it refuses is
+    A valid model is read in one compiled call (`kernels.varints.model_parse`); what it refuses is
     read again step by step, which names the fault."""
-    if _k.HAVE_NUMBA:
+    if kernels.common.HAVE_NUMBA:
         out = np.empty(max(1, min(max_alphabet, r.left)), _U64)  # each frequency takes a byte or more
-        alphabet, end = _k.model_parse(r.buf, r.pos, max_alphabet, RANS_SCALE, out)
+        alphabet, end = kernels.varints.model_parse(r.buf, r.pos, max_alphabet, RANS_SCALE, out)
         if alphabet:
             r.pos = int(end)
             return out[:alphabet]
@@ -467,7 +467,7 @@ class RansStream:
         self.freq = freq.astype(np.int64)
         self.cum = np.empty(alphabet, np.int64)
         self.slot2sym = np.empty(RANS_SCALE, out_dtype)  # the model sums to RANS_SCALE (read_model)
-        _k.rans_slot_table(self.freq, self.cum, self.slot2sym)
+        kernels.rans.rans_slot_table(self.freq, self.cum, self.slot2sym)
         return self
 
     def model(self) -> tuple:
@@ -478,11 +478,11 @@ class RansStream:
         if self.only is not None:
             return np.full(m, self.only, dtype=self.dtype)
         sym = np.empty(m, dtype=self.dtype)
-        self.check(_k.rans_decode(*self.model(), sym))
+        self.check(kernels.rans.rans_decode(*self.model(), sym))
         return sym
 
     def check(self, status: int) -> None:
-        """Raise for a decoder status (kernels.rans_decode) other than 0."""
+        """Raise for a decoder status (kernels.rans.rans_decode) other than 0."""
         if status:
             why = {-1: "bad initial state", -2: "words run out",
                    -3: "stream does not end where its symbols do"}.get(status, "corrupt")
@@ -497,11 +497,11 @@ def decode_rans(r: Reader, m: int, max_alphabet: int, what: str, out_dtype=np.in
 
 def decode_rans_pair(a: RansStream, b: RansStream, m: int) -> tuple[np.ndarray, int, np.ndarray, int]:
     """(symbols, status) of both streams, m symbols each, decoded in one compiled pass
-    (`kernels.rans_decode2`: their dependency chains overlap); both must carry words.
+    (`kernels.rans.rans_decode2`: their dependency chains overlap); both must carry words.
     The caller raises `a.check(status_a)`, `b.check(status_b)` where its own order wants."""
     sa = np.empty(m, dtype=a.dtype)
     sb = np.empty(m, dtype=b.dtype)
-    st_a, st_b = _k.rans_decode2(*a.model(), sa, *b.model(), sb)
+    st_a, st_b = kernels.rans.rans_decode2(*a.model(), sa, *b.model(), sb)
     return sa, int(st_a), sb, int(st_b)
 
 
@@ -573,7 +573,7 @@ def gaps_parts(positions: np.ndarray, reuse: bool = False) -> GapsParts | None:
     caller that codes it before then (the codec does)."""
     p = signed_view(np.ascontiguousarray(positions))
     n = p.size
-    r = _k.rice_shift(p, _SYMBOL_CAP_POSITIONS - 1)  # on a sample; one compiled pass or two
+    r = kernels.gaps.rice_shift(p, _SYMBOL_CAP_POSITIONS - 1)  # on a sample; one compiled pass or two
     esc = _SYMBOL_CAP_POSITIONS - 1
     words = -(-n // 8) * 8  # the split writes the low bits as bytes in whole uint64 words
     nlows = words if 1 <= r <= 8 else 0
@@ -582,7 +582,7 @@ def gaps_parts(positions: np.ndarray, reuse: bool = False) -> GapsParts | None:
     counts = np.zeros(_SYMBOL_CAP_POSITIONS, np.int64)
     low = np.empty((n * r + 7) // 8, np.uint8)
     excess = np.empty(n, np.int64)
-    nb, ne, zeros, bad = _k.gaps_split(p, r, esc, sym, counts, low, excess, lows)
+    nb, ne, zeros, bad = kernels.gaps.gaps_split(p, r, esc, sym, counts, low, excess, lows)
     if bad:
         return None
     alphabet = int((counts != 0).nonzero()[0][-1]) + 1
@@ -633,7 +633,7 @@ class GapsReader:
         esc = self.escape
         low, excess = self._rest(int(np.count_nonzero(sym == esc)) if esc >= 0 else 0)
         out = np.empty(self.count, np.int64)
-        _join_status(_k.gaps_join(sym, esc, self.shift, low, excess, numel - 1, out, True), numel)
+        _join_status(kernels.gaps.gaps_join(sym, esc, self.shift, low, excess, numel - 1, out, True), numel)
         return out.view(_U64)
 
     def low_bits(self) -> np.ndarray | None:
@@ -643,11 +643,11 @@ class GapsReader:
         return self.rd.buf[self.rd.pos:self.rd.pos + n] if n <= self.rd.left else None
 
     def joined(self, out: np.ndarray, escapes: int, numel: int) -> np.ndarray:
-        """Positions (uint64) from the int64 `out` of `kernels.rans_decode_joint_gaps`, which
+        """Positions (uint64) from the int64 `out` of `kernels.joint.rans_decode_joint_gaps`, which
         joined the gaps as the stream decoded and counted `escapes`: the rest of the
         section read, the escapes' excess added, every position checked (in place)."""
         low, excess = self._rest(escapes)
-        _join_status(_k.gaps_escapes(out, self.escape, self.shift, low, excess, numel - 1), numel)
+        _join_status(kernels.gaps.gaps_escapes(out, self.escape, self.shift, low, excess, numel - 1), numel)
         return out.view(_U64)
 
     @property

@@ -22,7 +22,7 @@ Sections (everything not named here as in `gaps_rans` / `symbols_rans`):
 Coding runs on the device; what it needs on the host is small: the Rice shift's
 histogram, the two symbol histograms (value histograms of 16-bit values as a 65536-bin
 count), the code tables, the escapes, and the finished stream. Decoding is the host's
-(`kernels.prefix_split`), as receivers decode on CPUs.
+(`kernels.prefix.prefix_split`), as receivers decode on CPUs.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import heapq
 import numpy as np
 import torch
 
-from . import kernels as _k
+from . import kernels
 from .positions import MAX_NUMEL, PositionsError, Reader, leb128_encode
 
 # Code lengths are 4-bit fields (0: symbol absent), at most 13: the decoder looks a code
@@ -41,7 +41,7 @@ from .positions import MAX_NUMEL, PositionsError, Reader, leb128_encode
 # refits (to 12: 0.2-0.5%).
 MAX_CODE_BITS = 13
 QUOTIENT_ALPHABET = 256  # as gaps_rans: quotient symbols min(g >> r, 255); 255 escapes
-_RICE_TOP = 4 * (QUOTIENT_ALPHABET - 1) + 3  # kernels.rice_pick's histogram bins - 1
+_RICE_TOP = 4 * (QUOTIENT_ALPHABET - 1) + 3  # kernels.gaps.rice_pick's histogram bins - 1
 _U64 = np.uint64
 _NO_BYTES = np.empty(0, np.uint8)
 
@@ -151,7 +151,7 @@ def read_lengths(rd: Reader, alphabet: int, what: str) -> np.ndarray:
 
 
 def decode_table(lengths: np.ndarray) -> tuple[np.ndarray, int]:
-    """(table, bits), a code's decode table for kernels.prefix_split: 2**bits int16 slots
+    """(table, bits), a code's decode table for kernels.prefix.prefix_split: 2**bits int16 slots
     indexed by the stream's next `bits` bits (the longest code's length; 1 for a lone
     symbol, coded with none), each (symbol << 4) | the code's length, or -1 where no code
     starts (an incomplete code)."""
@@ -204,13 +204,13 @@ def encode_prefix(pos: torch.Tensor, vals: torch.Tensor, width: int, table: np.n
     m = pos.numel()
     g = torch.diff(pos, prepend=pos.new_full((1,), -1)) - 1  # gaps >= 0
 
-    # The Rice shift, by kernels.rice_shift's rule on every gap (the sum of the gaps is the
+    # The Rice shift, by kernels.gaps.rice_shift's rule on every gap (the sum of the gaps is the
     # last position + 1 - m); it only decides the size.
-    base = _k.rice_base(int(pos[-1]) + 1 - m, m)
+    base = kernels.gaps.rice_base(int(pos[-1]) + 1 - m, m)
     r = 0
     if base >= 0:
         h0 = torch.bincount(torch.clamp(g >> base, max=_RICE_TOP), minlength=_RICE_TOP + 1)
-        r = int(_k.rice_pick(h0.cpu().numpy(), base, m, QUOTIENT_ALPHABET - 1))
+        r = int(kernels.gaps.rice_pick(h0.cpu().numpy(), base, m, QUOTIENT_ALPHABET - 1))
     q = torch.clamp(g >> r, max=QUOTIENT_ALPHABET - 1)
     qcounts = torch.bincount(q, minlength=QUOTIENT_ALPHABET).cpu().numpy()
     a1 = int(np.flatnonzero(qcounts)[-1]) + 1
@@ -234,10 +234,10 @@ def encode_prefix(pos: torch.Tensor, vals: torch.Tensor, width: int, table: np.n
     # Where each change's bits start: lanes are change i % LANES; in a lane, one after
     # another (a cumulative sum down each lane); the lanes one after another, whole bytes each.
     size = lq + lv + r
-    rows = (m + _k.PREFIX_LANES - 1) // _k.PREFIX_LANES
-    grid = torch.zeros(rows * _k.PREFIX_LANES, dtype=torch.int64, device=dev)
+    rows = (m + kernels.prefix.PREFIX_LANES - 1) // kernels.prefix.PREFIX_LANES
+    grid = torch.zeros(rows * kernels.prefix.PREFIX_LANES, dtype=torch.int64, device=dev)
     grid[:m] = size
-    ends = grid.view(rows, _k.PREFIX_LANES).cumsum(0)
+    ends = grid.view(rows, kernels.prefix.PREFIX_LANES).cumsum(0)
     lane_bytes = ((ends[-1] + 7) >> 3).cpu().numpy()
     lane_at = torch.from_numpy(8 * (np.cumsum(lane_bytes) - lane_bytes)).to(dev)
     start = (ends + lane_at).view(-1)[:m] - size
@@ -300,13 +300,13 @@ class PrefixGaps:
         if alphabet == 0:
             raise PositionsError("gaps quotients alphabet is empty")
         self.lengths = read_lengths(rd, alphabet, "gaps quotients")
-        lanes = rd.varints(_k.PREFIX_LANES, "gaps bit stream lane lengths").astype(np.int64)
+        lanes = rd.varints(kernels.prefix.PREFIX_LANES, "gaps bit stream lane lengths").astype(np.int64)
         if lanes.sum() > rd.left:
             raise PositionsError(f"gaps bit stream lanes of {lanes.sum()} bytes, {rd.left} left in the section")
-        # Each lane with 16 zero bytes after it: the decoder reads whole words (kernels.prefix_split).
+        # Each lane with 16 zero bytes after it: the decoder reads whole words (kernels.prefix.prefix_split).
         self.starts = np.cumsum(lanes + 16) - (lanes + 16)
         self.ends = self.starts + lanes
-        self.buf = np.zeros(int(lanes.sum()) + 16 * _k.PREFIX_LANES, np.uint8)
+        self.buf = np.zeros(int(lanes.sum()) + 16 * kernels.prefix.PREFIX_LANES, np.uint8)
         for lo, hi in zip(self.starts, self.ends):
             self.buf[lo:hi] = rd.take(int(hi - lo), "gaps bit stream")
 
@@ -316,8 +316,8 @@ class PrefixGaps:
         qsym = np.empty(m, np.uint8)
         vsym = np.empty(m, np.int16)
         gaps = np.empty(m, np.int64)
-        status = _k.prefix_split(self.buf, self.starts, self.ends, r, *decode_table(self.lengths),
-                                 *decode_table(value_lengths), qsym, gaps, vsym)
+        status = kernels.prefix.prefix_split(self.buf, self.starts, self.ends, r, *decode_table(self.lengths),
+                                             *decode_table(value_lengths), qsym, gaps, vsym)
         if status:
             raise PositionsError({-1: "bit stream lane ends inside a change", -2: "bit stream holds an unknown code",
                                   -3: "bit stream lane: non-zero padding or bytes after its last change"}[status])
@@ -333,7 +333,7 @@ class PrefixGaps:
         rd.done("gaps section")
         if np.any(excess > _U64(MAX_NUMEL)):
             raise PositionsError("gaps escaped quotient beyond 2**63")
-        status = _k.gaps_join(qsym, esc, r, _NO_BYTES, excess.astype(np.int64), numel - 1, gaps, False)
+        status = kernels.gaps.gaps_join(qsym, esc, r, _NO_BYTES, excess.astype(np.int64), numel - 1, gaps, False)
         if status:
             raise PositionsError({-3: "escape count mismatch", -4: "gap beyond 2**63"}.get(
                 status, f"position >= numel {numel}"))

@@ -766,7 +766,7 @@ _NP_BITS = (torch.int8, torch.uint8, torch.int16, torch.int32)
 
 def _compiled_diff(current: torch.Tensor, committed: torch.Tensor) -> bool:
     """Whether `diff_arrays` (compiled) can diff these bit views directly."""
-    return (kernels.HAVE_NUMBA and current.device.type == "cpu" and committed.device.type == "cpu"
+    return (kernels.common.HAVE_NUMBA and current.device.type == "cpu" and committed.device.type == "cpu"
             and current.dtype == committed.dtype and current.dtype in _NP_BITS
             and current.shape == committed.shape and current.is_contiguous() and committed.is_contiguous())
 

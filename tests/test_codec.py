@@ -266,7 +266,7 @@ def _read_both_ways(raw: bytes, max_alphabet: int):
     out = []
     for compiled in (True, False):
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(kernels, "HAVE_NUMBA", compiled and kernels.HAVE_NUMBA)
+            mp.setattr(kernels.common, "HAVE_NUMBA", compiled and kernels.common.HAVE_NUMBA)
             r = Reader(np.frombuffer(raw, np.uint8))
             r.pos = 1  # a byte before the model, as in a section
             try:
@@ -277,7 +277,7 @@ def _read_both_ways(raw: bytes, max_alphabet: int):
 
 
 def test_read_model_in_one_call_reads_and_refuses_as_step_by_step():
-    """read_model's compiled call (kernels.model_parse) gives the frequencies and cursor of
+    """read_model's compiled call (kernels.varints.model_parse) gives the frequencies and cursor of
     the varint-by-varint path for valid models, and for every damaged one the same error:
     an empty or oversized alphabet, a frequency above 2**16, sums off by one, non-minimal
     and truncated varints, models cut short."""
@@ -297,11 +297,12 @@ def test_read_model_in_one_call_reads_and_refuses_as_step_by_step():
     assert sum(isinstance(_read_both_ways(raw, a)[0], str) for raw, a in cases) == len(cases) - len(valid)
     out = np.empty(256, np.uint64)
     buf = np.frombuffer(cases[4][0], np.uint8)
-    assert kernels.model_parse.py_func(buf, 1, 256, 65536, out) == kernels.model_parse(buf, 1, 256, 65536, out)
+    parse = kernels.varints.model_parse
+    assert parse.py_func(buf, 1, 256, 65536, out) == parse(buf, 1, 256, 65536, out)
 
 
 def test_rans_slot_table_is_the_prefix_sums_and_repeat():
-    """The decoding tables of a stream's model (kernels.rans_slot_table, compiled and as
+    """The decoding tables of a stream's model (kernels.rans.rans_slot_table, compiled and as
     Python): numpy's exclusive prefix sums and repeat of each symbol over its slots, zero
     frequencies included, for every output dtype the streams use."""
     rng = np.random.default_rng(6)
@@ -309,7 +310,7 @@ def test_rans_slot_table_is_the_prefix_sums_and_repeat():
         for dtype in (np.uint8, np.int16, np.int32):
             if freq.size > np.iinfo(dtype).max + 1:
                 continue
-            for fn in (kernels.rans_slot_table, kernels.rans_slot_table.py_func):
+            for fn in (kernels.rans.rans_slot_table, kernels.rans.rans_slot_table.py_func):
                 cum, slots = np.empty(freq.size, np.int64), np.empty(65536, dtype)
                 fn(freq, cum, slots)
                 np.testing.assert_array_equal(cum, np.concatenate([[0], np.cumsum(freq)[:-1]]))
@@ -330,7 +331,7 @@ def test_runs_roundtrip_64bit(s, extra_run):
 @settings(max_examples=100, deadline=None)
 @given(st.sets(st.integers(0, 2**63 - 1), max_size=40), st.lists(st.integers(1, 70), max_size=4))
 def test_runs_compiled_and_numpy_write_the_same_bytes(s, runs):
-    """encode_runs' compiled pass (kernels.runs_leb128, and its plain-Python form) writes
+    """encode_runs' compiled pass (kernels.varints.runs_leb128, and its plain-Python form) writes
     the bytes of the numpy path, for uint64 positions and uint32 ones: lone positions,
     runs of every length, gaps past 2**32 and up to 2**63 - 1."""
     pos = set(s)
@@ -339,7 +340,7 @@ def test_runs_compiled_and_numpy_write_the_same_bytes(s, runs):
         pos |= set(range(start, start + length))
     p = np.array(sorted(pos), dtype=np.uint64)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "HAVE_NUMBA", False)
+        mp.setattr(kernels.common, "HAVE_NUMBA", False)
         numpy_bytes = encode_runs(p)
         if p.size and p[-1] < 2**32:
             assert encode_runs(p.astype(np.uint32)) == numpy_bytes
@@ -347,7 +348,7 @@ def test_runs_compiled_and_numpy_write_the_same_bytes(s, runs):
     if p.size and p[-1] < 2**32:
         assert encode_runs(p.astype(np.uint32)) == numpy_bytes
     out = np.empty(20 * max(p.size, 1), np.uint8)
-    assert out[:kernels.runs_leb128.py_func(p, out)].tobytes() == numpy_bytes
+    assert out[:kernels.varints.runs_leb128.py_func(p, out)].tobytes() == numpy_bytes
     assert decode_runs(numpy_bytes, p.size, 2**63).tolist() == p.tolist()
 
 
@@ -1091,7 +1092,8 @@ def rans_payload(key=None, version=FORMAT_VERSION) -> tuple[Payload, bytes]:
     return p, encode(p, key=key, version=version)
 
 
-@pytest.mark.parametrize("joint, coded", [(True, ("gaps_joint", "symbols_joint")), (False, ("gaps_rans", "symbols_rans"))])
+@pytest.mark.parametrize("joint, coded", [(True, ("gaps_joint", "symbols_joint")),
+                                          (False, ("gaps_rans", "symbols_rans"))])
 @pytest.mark.parametrize("version", [5, 6])
 def test_rans_sections_are_stored_and_the_others_compressed(version, joint, coded, monkeypatch):
     p, _ = rans_payload()

@@ -22,7 +22,7 @@ from nemo_dcr.sender import AUTO, Producer
 from nemo_dcr.transport import TransferInfo
 from tests.support.transports import KeepingEnd
 
-BLOCK = kernels.DIFF_BLOCK
+BLOCK = kernels.diff.DIFF_BLOCK
 
 
 def test_rows_position_and_index_are_inverse():
@@ -44,9 +44,9 @@ def test_diff_with_rows_gives_the_pieces_canonical_positions(monkeypatch, scan, 
     """Against the placement (Piece.canonical_index of the local positions), for chunks that
     start on a row or inside one, end past the last whole block (the tail), with int32 or
     int64 positions (the last geometry's canonical positions pass 2**31)."""
-    if scan == "vector" and not kernels.HAVE_VECTOR_DIFF:
+    if scan == "vector" and not kernels.diff.HAVE_VECTOR_DIFF:
         pytest.skip("no AVX-512 (VBMI2) diff on this host")
-    monkeypatch.setattr(kernels, "HAVE_VECTOR_DIFF", scan == "vector")
+    monkeypatch.setattr(kernels.diff, "HAVE_VECTOR_DIFF", scan == "vector")
     cols, stride, offset, first_row = geometry
     n_rows = 24
     piece = Piece("c", 0, n_rows, cols, offset, stride)

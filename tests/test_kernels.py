@@ -35,7 +35,7 @@ from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 HDR = PayloadHeader("t", 0, 1, "p", "p-0")
 NP_DTYPES = [np.int16, np.int32, np.uint8, np.int8]
 
-needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+needs_numba = pytest.mark.skipif(not kernels.common.HAVE_NUMBA, reason="numba not installed")
 
 
 # -------------------------------------------------------------- diff
@@ -83,12 +83,12 @@ def test_diff_words_resumes_where_the_buffer_was_full():
     b[::3] = 1
     aw, bw = a.view(np.int64), b.view(np.int64)
     small = [np.empty(100, np.int64), np.empty(100, np.int16), np.empty(100, np.int16)]
-    n, w = kernels.diff_words(a, b, aw, bw, 4, 0, *small, 0)
+    n, w = kernels.diff.diff_words(a, b, aw, bw, 4, 0, *small, 0)
     assert w < aw.size and n <= 100
     big = [np.empty(4096, np.int64), np.empty(4096, np.int16), np.empty(4096, np.int16)]
     for x, y in zip(big, small):
         x[:n] = y[:n]
-    n, w = kernels.diff_words(a, b, aw, bw, 4, w, *big, n)
+    n, w = kernels.diff.diff_words(a, b, aw, bw, 4, w, *big, n)
     assert w == aw.size
     np.testing.assert_array_equal(big[0][:n], np.flatnonzero(a != b))
 
@@ -102,9 +102,9 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
     records carry, on the 16-bit scans (512-bit compresses; bit scans where the host has
     no AVX-512, or `vector` is off) and on the word scan (other widths), against numpy;
     sizes that end mid-block, buffers that must grow, and changes that wrap around."""
-    if vector and not kernels.HAVE_VECTOR_DIFF:
+    if vector and not kernels.diff.HAVE_VECTOR_DIFF:
         pytest.skip("host has no AVX-512 VBMI2")
-    monkeypatch.setattr(kernels, "HAVE_VECTOR_DIFF", vector)
+    monkeypatch.setattr(kernels.diff, "HAVE_VECTOR_DIFF", vector)
     rng = np.random.default_rng(len(values) * 7 + np.dtype(dtype).itemsize)
     info = np.iinfo(dtype)
     for n, rate in [(0, 0.0), (127, 0.5), (128 * 40 + 77, 0.01), (50_000, 0.9), (9_000, 0.0)]:
@@ -132,7 +132,8 @@ def test_diff_arrays_values_match_numpy(monkeypatch, vector, values, dtype):
             np.testing.assert_array_equal(got, want[kind], err_msg=f"{kind}, n={n}")
 
 
-@pytest.mark.parametrize("mode", [kernels.DIFF_OLD, kernels.DIFF_XOR, kernels.DIFF_ADD, kernels.DIFF_NONE])
+@pytest.mark.parametrize("mode", [kernels.diff.DIFF_OLD, kernels.diff.DIFF_XOR, kernels.diff.DIFF_ADD,
+                                  kernels.diff.DIFF_NONE])
 def test_bitscan_walks_any_count_of_changes_in_a_word(mode):
     """`diff16_bitscan` walks a 64-element word's changes two a step: every count from 0 to
     64 in the first word of a block beside 0, 1, 2 or 3 in the second, at random places,
@@ -148,15 +149,16 @@ def test_bitscan_walks_any_count_of_changes_in_a_word(mode):
             new[at] += rng.integers(1, 1 << 16, count, dtype=np.uint16)  # never 0: each one changes
     want = np.flatnonzero(new != old)
     with np.errstate(over="ignore"):
-        expected = {kernels.DIFF_OLD: old[want], kernels.DIFF_XOR: new[want] ^ old[want],
-                    kernels.DIFF_ADD: new[want] - old[want]}.get(mode)
-    room = want.size + kernels.DIFF_BLOCK + 8
+        expected = {kernels.diff.DIFF_OLD: old[want], kernels.diff.DIFF_XOR: new[want] ^ old[want],
+                    kernels.diff.DIFF_ADD: new[want] - old[want]}.get(mode)
+    room = want.size + kernels.diff.DIFF_BLOCK + 8
     filled = []
-    for scan in [kernels.diff16_bitscan.py_func] + ([kernels.diff16_bitscan] if kernels.HAVE_NUMBA else []):
+    compiled = [kernels.diff.diff16_bitscan] if kernels.common.HAVE_NUMBA else []
+    for scan in [kernels.diff.diff16_bitscan.py_func] + compiled:
         bufs = [np.full(room, 7777, np.int64), np.full(room, 7777, np.uint16),
-                np.full(room if mode != kernels.DIFF_NONE else 0, 7777, np.uint16)]
+                np.full(room if mode != kernels.diff.DIFF_NONE else 0, 7777, np.uint16)]
         with np.errstate(over="ignore"):  # the plain-Python twin's wrapping add
-            n, i = scan(new, old, 0, 5, *bufs, mode, 0, *kernels.NO_ROWS)
+            n, i = scan(new, old, 0, 5, *bufs, mode, 0, *kernels.diff.NO_ROWS)
         assert (n, i) == (want.size, new.size)
         np.testing.assert_array_equal(bufs[0][:n], want + 5)
         np.testing.assert_array_equal(bufs[1][:n], new[want])
@@ -180,9 +182,9 @@ def test_diff_arrays_writes_chunks_end_to_end(monkeypatch, vector, values):
     outgrow the first buffers (sized for ~1 change in 16). Both 16-bit scans."""
     from nemo_dcr.diff import DiffOutput
 
-    if vector and not kernels.HAVE_VECTOR_DIFF:
+    if vector and not kernels.diff.HAVE_VECTOR_DIFF:
         pytest.skip("host has no AVX-512 VBMI2")
-    monkeypatch.setattr(kernels, "HAVE_VECTOR_DIFF", vector)
+    monkeypatch.setattr(kernels.diff, "HAVE_VECTOR_DIFF", vector)
 
     rng = np.random.default_rng(len(values))
     sizes = [128 * 50, 128 * 50 + 77, 3000, 128 * 64, 128 * 200, 500, 128 * 30]
@@ -243,7 +245,7 @@ def _stream(sym, dtype):
 
 
 def test_rans_pair_decode_gives_the_two_single_decodes():
-    """kernels.rans_decode2 (compiled and as Python): the symbols and statuses of two
+    """kernels.rans.rans_decode2 (compiled and as Python): the symbols and statuses of two
     rans_decode calls, on intact streams and on damaged ones (flipped or missing words,
     the wrong symbol count), whichever stream fails; decode_rans_pair raises the same
     errors as the single decodes."""
@@ -259,7 +261,7 @@ def test_rans_pair_decode_gives_the_two_single_decodes():
 
     def single(stream, words, m):
         out = np.zeros(m, stream.dtype)
-        return kernels.rans_decode(words, stream.freq, stream.cum, stream.slot2sym, out), out
+        return kernels.rans.rans_decode(words, stream.freq, stream.cum, stream.slot2sym, out), out
 
     statuses = set()
     for i in range(300):
@@ -272,7 +274,7 @@ def test_rans_pair_decode_gives_the_two_single_decodes():
                 for _ in range(int(rng.integers(1, 3))):
                     w[int(rng.integers(0, w.size))] ^= np.uint16(1 << int(rng.integers(0, 16)))
         want = [single(a, wa, m), single(b, wb, m)]
-        for fn in (kernels.rans_decode2, kernels.rans_decode2.py_func):
+        for fn in (kernels.rans.rans_decode2, kernels.rans.rans_decode2.py_func):
             oa, ob = np.zeros(m, np.uint8), np.zeros(m, np.int16)
             got = fn(wa, a.freq, a.cum, a.slot2sym, oa, wb, b.freq, b.cum, b.slot2sym, ob)
             assert tuple(int(x) for x in got) == (want[0][0], want[1][0])
@@ -388,7 +390,7 @@ def test_place_spans_of_int32_positions_match_int64(shapes, shift, seed):
 def test_affine_kernel_rows_are_exact_far_out(compiled):
     """affine_index finds rows by a double-precision multiply set right by one step: exact
     at row boundaries, for offsets below the start, and past 2**50 (its integer fallback)."""
-    fn = kernels.affine_index if compiled else kernels.affine_index.py_func
+    fn = kernels.place.affine_index if compiled else kernels.place.affine_index.py_func
     for cols in (1, 3, 4096, 7168, 12345, (1 << 31) - 1):
         near = np.array([0, 1, cols - 1, cols, cols + 1, 5 * cols - 1, 5 * cols, -1, -cols, -cols - 1], np.int64)
         for centre in (0, 1 << 49, (1 << 50) - 7, 1 << 50, 1 << 53):
@@ -405,7 +407,7 @@ def test_affine_kernel_multiply_shift_rows_match_integer_division(compiled):
     reciprocal and a shift for the row: exact for every width up to 2**31 - 1, at both
     ends of every row and at the top of the range; offsets outside it (below the start,
     2**31 and past) and shrinking strides take the double-precision loop, in the same call."""
-    fn = kernels.affine_index if compiled else kernels.affine_index.py_func
+    fn = kernels.place.affine_index if compiled else kernels.place.affine_index.py_func
     rng = np.random.default_rng(31)
     top = (1 << 31) - 1
     widths = [1, 2, 3, 7, 4096, 7168, 12345, (1 << 30) + 1, top] + rng.integers(1, top, 6 if compiled else 2).tolist()
@@ -496,7 +498,7 @@ def test_gaps_rans_roundtrip(n, rate, seed):
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("r", [0, 3, 40])
 def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
-    split = kernels.gaps_split if compiled else kernels.gaps_split.py_func
+    split = kernels.gaps.gaps_split if compiled else kernels.gaps.gaps_split.py_func
 
     def run(p):
         return split(p, r, 255, np.empty(p.size, np.uint8), np.zeros(256, np.int64),
@@ -521,7 +523,7 @@ def test_gaps_split_stops_at_the_first_position_out_of_order(compiled, r):
 def test_gaps_split_matches_a_numpy_reference(compiled, r, dtype):
     """Symbols, their counts, the packed low bits, escaped excesses and zero gaps, against
     numpy: escapes (r = 0 with gaps past the cap), every n % 4 tail, shifts past 32."""
-    split = kernels.gaps_split if compiled else kernels.gaps_split.py_func
+    split = kernels.gaps.gaps_split if compiled else kernels.gaps.gaps_split.py_func
     rng = np.random.default_rng(r)
     top = 2**31 if dtype == np.uint32 else 2**50
     for n in (1, 2, 5, 6, 7, 300 if not compiled else 4099):
@@ -550,7 +552,7 @@ def test_low_bits_packed_from_bytes_match_the_positions_loop(compiled):
     store each) writes exactly what `_pack_low_bits` writes from the positions, into an
     array of exactly (n * r + 7) // 8 bytes (the steps whose store would pass its end take
     the bit loop), and nothing past it; a strided output array takes the bit loop."""
-    pack = kernels._pack_low_bytes if compiled else kernels._pack_low_bytes.py_func
+    pack = kernels.gaps._pack_low_bytes if compiled else kernels.gaps._pack_low_bytes.py_func
     rng = np.random.default_rng(5)
     for r in range(1, 9):
         for n in list(range(0, 70)) + [1000, 4099]:
@@ -560,7 +562,7 @@ def test_low_bits_packed_from_bytes_match_the_positions_loop(compiled):
             lows[:n] = g & ((1 << r) - 1)
             size = (n * r + 7) // 8
             want = np.zeros(size, np.uint8)
-            assert kernels._pack_low_bits(p, r, want) == size
+            assert kernels.gaps._pack_low_bits(p, r, want) == size
             low = np.full(size + 9, 0xAB, np.uint8)
             assert pack(lows, n, r, low[:size]) == size
             np.testing.assert_array_equal(low[:size], want)
@@ -575,7 +577,7 @@ def test_symbol_counts_match_bincount(compiled):
     """`_count_symbols`: symbols below 16 counted 64 at a time, the rest one at a time, the
     last n % 64 by the interleaved counters; on contiguous and strided symbols, added to
     the counts already there."""
-    count = kernels._count_symbols if compiled else kernels._count_symbols.py_func
+    count = kernels.gaps._count_symbols if compiled else kernels.gaps._count_symbols.py_func
     rng = np.random.default_rng(6)
     for n in (0, 1, 63, 64, 65, 127, 128, 1000, 5000):
         for top in (1, 15, 16, 17, 256):
@@ -592,7 +594,7 @@ def test_symbol_counts_match_bincount(compiled):
 
 
 def _rice_sample(p: np.ndarray) -> np.ndarray:
-    """The gaps `kernels.rice_shift` estimates on: all of them below 2**15 positions, else
+    """The gaps `kernels.gaps.rice_shift` estimates on: all of them below 2**15 positions, else
     256 runs of 64 consecutive gaps, run b starting at gap 1 + b * stride (negative ones as 0)."""
     g = np.diff(p, prepend=-1) - 1
     if p.size >= 1 << 15:
@@ -606,7 +608,7 @@ def test_rice_shift_picks_the_smallest_estimate_of_three(compiled):
     """Brute force beside the kernel's one-histogram shortcut: for r in base..base + 2
     (base = floor(log2(mean gap)) - 2), entropy of the capped quotients + r bits per gap
     + 24 bits per escape; the kernel picks the smallest (r = 0 below a mean gap of 2)."""
-    shift = kernels.rice_shift if compiled else kernels.rice_shift.py_func
+    shift = kernels.gaps.rice_shift if compiled else kernels.gaps.rice_shift.py_func
     rng = np.random.default_rng(8)
     cap = 255
     cases = [np.arange(5, dtype=np.int64), np.array([7], np.int64), np.array([0, 1, 2, 10**12], np.int64)]
@@ -633,7 +635,7 @@ def test_rice_shift_picks_the_smallest_estimate_of_three(compiled):
 @pytest.mark.parametrize("n", [1, 3, 1000, 100_000, 600_000])
 @pytest.mark.parametrize("width", [1, 2])
 def test_value_histogram_matches_unique_and_leaves_its_tables_zeroed(n, width):
-    """value_histogram (kernels.histogram_lines on per-thread tables) gives np.unique's
+    """value_histogram (kernels.values.histogram_lines on per-thread tables) gives np.unique's
     answer on skewed, spread and constant values, and leaves its tables all zero, so the
     next call counts from scratch."""
     rng = np.random.default_rng(n + width)
@@ -660,7 +662,7 @@ def test_histogram_lines_counts_every_value_once(n):
                            rng.integers(0, 1 << 16, n - n // 2).astype(np.uint16)])
     table, lines = np.zeros(4 << 16, np.uint32), np.zeros(1 << 14, np.uint8)
     distinct, found = np.empty(max(n, 1), np.uint16), np.empty(max(n, 1), np.int64)
-    k = kernels.histogram_lines(vals, table, lines, distinct, found)
+    k = kernels.values.histogram_lines(vals, table, lines, distinct, found)
     expect, expect_counts = np.unique(vals, return_counts=True)
     np.testing.assert_array_equal(distinct[:k], expect)
     np.testing.assert_array_equal(found[:k], expect_counts)
@@ -669,9 +671,9 @@ def test_histogram_lines_counts_every_value_once(n):
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_model_bits_sum_each_occurring_symbols_code_length(compiled):
-    """kernels.model_bits: sum of c * (16 - log2 f) over the symbols that occur (the joint
+    """kernels.joint.model_bits: sum of c * (16 - log2 f) over the symbols that occur (the joint
     stream's size estimates); symbols with no count cost nothing, whatever their frequency."""
-    bits = kernels.model_bits if compiled else kernels.model_bits.py_func
+    bits = kernels.joint.model_bits if compiled else kernels.joint.model_bits.py_func
     rng = np.random.default_rng(9)
     for size in (1, 2, 17, 256):
         counts = rng.integers(0, 1000, size).astype(np.int64)
@@ -685,11 +687,11 @@ def test_model_bits_sum_each_occurring_symbols_code_length(compiled):
 @pytest.mark.parametrize("compiled", [True, False])
 def test_histogram_of_few_values_counts_by_compares_and_the_rest_by_the_table(compiled):
     """16-bit values whose first 4096 hold at most 16 distinct ones are counted by 32-lane
-    compares (kernels._count_few): values the sample never showed, a switch to many values
+    compares (kernels.values._count_few): values the sample never showed, a switch to many values
     after the sample (which stops the compares), exactly 16 and 17 distinct values in the
     sample, every tail modulo 32, a strided array, arrays shorter than the sample (from
     _FEW_MIN values up); always np.unique's answer, the tables zeroed again."""
-    hist = kernels.histogram_lines if compiled else kernels.histogram_lines.py_func
+    hist = kernels.values.histogram_lines if compiled else kernels.values.histogram_lines.py_func
     rng = np.random.default_rng(7)
     x = rng.integers(0, 1 << 15, 40_000).astype(np.uint16)
     ulp = (x ^ (x + rng.choice(np.array([1, 0xFFFF], np.uint16), x.size))).astype(np.uint16)
@@ -715,10 +717,10 @@ def test_histogram_of_few_values_counts_by_compares_and_the_rest_by_the_table(co
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_distinct_sample_values_in_order_of_first_appearance(compiled):
-    """kernels._distinct_upto, 32 values a step: the sample's distinct values in the order
+    """kernels.values._distinct_upto, 32 values a step: the sample's distinct values in the order
     they first appear (several new ones in one step, equal lanes taken once), exactly
     few.size of them still fit, one more is -1; only vals[:m] is looked at."""
-    distinct_upto = kernels._distinct_upto if compiled else kernels._distinct_upto.py_func
+    distinct_upto = kernels.values._distinct_upto if compiled else kernels.values._distinct_upto.py_func
     rng = np.random.default_rng(11)
 
     def first_seen(x):
@@ -754,7 +756,7 @@ def test_xor_add_entropies_match_the_histograms_of_both_value_arrays(compiled, w
         c = counts.astype(np.float64)
         return float((c * (np.log2(c.sum()) - np.log2(c))).sum())
 
-    fn = kernels.xor_add_entropies if compiled else kernels.xor_add_entropies.py_func
+    fn = kernels.values.xor_add_entropies if compiled else kernels.values.xor_add_entropies.py_func
     dt = np.dtype(f"<u{width}")
     rng = np.random.default_rng(width)
     top = 1 << (8 * width)
@@ -781,7 +783,7 @@ def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
         lines[int(vals[0]) >> 2] = 1
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kernels, "histogram_lines", interrupted)
+    monkeypatch.setattr(kernels.values, "histogram_lines", interrupted)
     with pytest.raises(KeyboardInterrupt):
         codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
     monkeypatch.undo()
@@ -789,7 +791,7 @@ def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
     assert distinct.tolist() == [3, 4] and counts.tolist() == [2, 1]
     table, lines = codec._zeroed_tables(2)
     assert not table.any() and not lines.any()
-    assert kernels.rice_shift(np.empty(0, np.int64), 255) == 0
+    assert kernels.gaps.rice_shift(np.empty(0, np.int64), 255) == 0
 
 
 def test_gaps_rans_escapes_and_huge_indices():
@@ -826,13 +828,13 @@ def test_quantize_sums_and_keeps_every_symbol():
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_rans_model_is_quantize_with_prefix_sums(compiled):
-    """kernels.rans_model gives quantize's frequencies (and their exclusive prefix sums)
+    """kernels.rans.rans_model gives quantize's frequencies (and their exclusive prefix sums)
     wherever it takes the counts, and hands every other case to quantize: -1 for a
     remainder the largest symbol cannot absorb and for sums too large; the number of
     symbols that occur when fewer than two do (nothing written then)."""
     from nemo_dcr.positions import _quantize_general
 
-    model = kernels.rans_model if compiled else kernels.rans_model.py_func
+    model = kernels.rans.rans_model if compiled else kernels.rans.rans_model.py_func
     rng = np.random.default_rng(11)
     cases = [[1, 1], [10**9, 1, 1, 1], [5] + [1] * 1024, [0, 3, 0, 7], [7, 7, 7], [0, 9, 9, 0, 1]]
     cases += [rng.geometric(p, rng.integers(2, 5000)).clip(max=255) for p in (0.01, 0.3, 0.9)]
@@ -910,7 +912,7 @@ def _product_reference(f1, f2) -> list[int] | None:
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_product_model_is_the_rounded_product(compiled):
-    fn = kernels.rans_product_model if compiled else kernels.rans_product_model.py_func
+    fn = kernels.joint.rans_product_model if compiled else kernels.joint.rans_product_model.py_func
     rng = np.random.default_rng(5)
     for a1, a2 in [(2, 2), (3, 17), (64, 12), (256, 12), (1, 5), (40, 400)]:
         for trial in range(4):
@@ -953,10 +955,10 @@ def test_joint_stream_roundtrip(m):
     """Every m % 4 tail, compiled and as Python (the same words), decoded back."""
     q, vals, lut, f1, f2 = _joint_case(m, m)
     freq = np.empty(f1.size * f2.size, np.int64)
-    kernels.rans_product_model(f1, f2, freq)
+    kernels.joint.rans_product_model(f1, f2, freq)
     cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
     words = []
-    for enc in (kernels.rans_encode_joint, kernels.rans_encode_joint.py_func):
+    for enc in (kernels.joint.rans_encode_joint, kernels.joint.rans_encode_joint.py_func):
         out = np.empty(m + 8, "<u2")
         words.append(out[enc(q, vals, lut, f2.size, freq, cum, out):].copy())
     np.testing.assert_array_equal(words[0], words[1])
@@ -964,9 +966,9 @@ def test_joint_stream_roundtrip(m):
     np.testing.assert_array_equal(got_q, q)
     np.testing.assert_array_equal(got_v, lut[vals])
     slots, table = np.empty(1 << 16, np.uint16), np.empty(np.count_nonzero(freq), np.uint64)
-    assert kernels.rans_joint_table.py_func(freq, f2.size, np.arange(f2.size), slots, table) == 0
+    assert kernels.joint.rans_joint_table.py_func(freq, f2.size, np.arange(f2.size), slots, table) == 0
     qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
-    assert kernels.rans_decode_joint.py_func(words[0], slots, table, qq, vv) == 0
+    assert kernels.joint.rans_decode_joint.py_func(words[0], slots, table, qq, vv) == 0
     np.testing.assert_array_equal(qq, q)
     np.testing.assert_array_equal(vv, lut[vals])
     # with the values' table the decoder writes the values themselves
@@ -989,7 +991,7 @@ def test_joint_table_covers_every_slot_or_refuses(compiled):
     names every slot's cell, the per-slot form holds every slot's entry. A model that does
     not cover the 2**16 slots exactly, or tables too small for it, are refused (-1),
     leaving no slot unwritten behind a 0."""
-    build = kernels.rans_joint_table if compiled else kernels.rans_joint_table.py_func
+    build = kernels.joint.rans_joint_table if compiled else kernels.joint.rans_joint_table.py_func
     freq = np.array([0, 40000, 1, 0, 25534, 1], np.int64)  # a2 = 3: cells (0,0) .. (1,2)
     used = np.flatnonzero(freq)
     sym = np.repeat(np.arange(freq.size), freq)
@@ -1027,10 +1029,10 @@ def _joint_stream(m: int, seed: int):
     """`_joint_case` coded: (q, values, lut, f1, f2, the product model, the stream's words)."""
     q, vals, lut, f1, f2 = _joint_case(m, seed)
     freq = np.empty(f1.size * f2.size, np.int64)
-    kernels.rans_product_model(f1, f2, freq)
+    kernels.joint.rans_product_model(f1, f2, freq)
     cum = np.concatenate(([0], np.cumsum(freq)[:-1]))
     out = np.empty(m + 8, "<u2")
-    words = out[kernels.rans_encode_joint(q, vals, lut, f2.size, freq, cum, out):]
+    words = out[kernels.joint.rans_encode_joint(q, vals, lut, f2.size, freq, cum, out):]
     return q, vals, lut, f1, f2, freq, words
 
 
@@ -1048,9 +1050,9 @@ def test_joint_decoder_tables_decode_alike(monkeypatch, per_slot):
         slots, table = np.zeros(0, np.uint8), np.empty(1 << 16, np.uint64)
     else:
         slots, table = np.zeros(1 << 16, np.uint16), np.empty(np.count_nonzero(freq), np.uint64)
-    assert kernels.rans_joint_table(freq, f2.size, np.arange(f2.size), slots, table) == 0
+    assert kernels.joint.rans_joint_table(freq, f2.size, np.arange(f2.size), slots, table) == 0
     qq, vv = np.empty(m, np.uint8), np.empty(m, np.int16)
-    assert kernels.rans_decode_joint.py_func(words, slots, table, qq, vv) == 0
+    assert kernels.joint.rans_decode_joint.py_func(words, slots, table, qq, vv) == 0
     np.testing.assert_array_equal(qq, q)
     np.testing.assert_array_equal(vv, lut[vals])
 
@@ -1071,14 +1073,14 @@ def _escaping_positions(rng, n: int) -> np.ndarray:
 @pytest.mark.parametrize("rate", [0.003, 0.03, 0.1, 0.3])
 def test_joint_gaps_in_one_pass_decode_as_two(monkeypatch, per_slot, rate):
     """The joint stream decoded with its gaps joined on the way (`decode_joint_gaps`:
-    `kernels.rans_decode_joint_gaps`, then `gaps_escapes` for the escaped quotients)
+    `kernels.joint.rans_decode_joint_gaps`, then `gaps_escapes` for the escaped quotients)
     gives the positions and values of the two passes, for Rice shifts from 1 up (0, at
     30%, decodes in two passes), with and without escapes, in either table form, compiled
     and as Python."""
     monkeypatch.setattr(joint, "PER_SLOT_TABLE", per_slot)
     calls = []
-    one_pass_kernel = kernels.rans_decode_joint_gaps
-    monkeypatch.setattr(kernels, "rans_decode_joint_gaps", lambda *a: calls.append(a[5]) or one_pass_kernel(*a))
+    one_pass_kernel = kernels.joint.rans_decode_joint_gaps
+    monkeypatch.setattr(kernels.joint, "rans_decode_joint_gaps", lambda *a: calls.append(a[5]) or one_pass_kernel(*a))
     rng = np.random.default_rng(int(rate * 1000))
     n = int(12_000 / rate)  # 12,000 changes, and 13,500 in the escaping case
     for pos in (np.flatnonzero(rng.random(n) < rate).astype(np.uint64), _escaping_positions(rng, 400_000)):
@@ -1094,8 +1096,8 @@ def test_joint_gaps_in_one_pass_decode_as_two(monkeypatch, per_slot, rate):
     # the first case's Rice shift; 0 (no low bits) takes the two passes
     assert calls == [{0.003: 6, 0.03: 3, 0.1: 1}[rate], 4] if rate < 0.3 else calls == [4]
     assert gaps_parts(pos).excess.size >= 2  # the last case escapes
-    monkeypatch.setattr(kernels, "rans_decode_joint_gaps", one_pass_kernel.py_func)
-    monkeypatch.setattr(kernels, "gaps_escapes", kernels.gaps_escapes.py_func)
+    monkeypatch.setattr(kernels.joint, "rans_decode_joint_gaps", one_pass_kernel.py_func)
+    monkeypatch.setattr(kernels.gaps, "gaps_escapes", kernels.gaps.gaps_escapes.py_func)
     monkeypatch.setattr(codec, "decode_joint_gaps", joint.decode_joint_gaps)
     np.testing.assert_array_equal(codec.decode(data).records[0].positions, pos)
 
@@ -1158,7 +1160,7 @@ def test_gaps_escapes_checks_as_gaps_join(compiled):
     """`gaps_escapes` on the one-pass decoder's positions gives `gaps_join`'s positions and
     status: escapes' excesses added, and the first refusal (an excess too large, a position
     past max_pos before or after an escape, non-zero padding) named as gaps_join names it."""
-    fn = kernels.gaps_escapes if compiled else kernels.gaps_escapes.py_func
+    fn = kernels.gaps.gaps_escapes if compiled else kernels.gaps.gaps_escapes.py_func
     rng = np.random.default_rng(3)
     pos = _escaping_positions(rng, 400_000)
     gp = gaps_parts(pos)
@@ -1176,10 +1178,10 @@ def test_gaps_escapes_checks_as_gaps_join(compiled):
     statuses = set()
     for low, excess, max_pos in cases:
         want = np.empty(n, np.int64)
-        status = kernels.gaps_join(gp.sym, esc, r, low, excess, max_pos, want, True)
+        status = kernels.gaps.gaps_join(gp.sym, esc, r, low, excess, max_pos, want, True)
         sym = gp.sym if excess.size else np.minimum(gp.sym, esc - 1)  # without escapes: none in the symbols
         if not excess.size:
-            status = kernels.gaps_join(sym, esc, r, low, excess, max_pos, want, True)
+            status = kernels.gaps.gaps_join(sym, esc, r, low, excess, max_pos, want, True)
         got = _raw_join(sym, r, low)
         assert fn(got, esc, r, low, excess, max_pos) == status
         statuses.add(status)
@@ -1269,20 +1271,20 @@ def test_joint_stream_rejections():
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_joint_model_decides_as_the_separate_calls(compiled):
-    """kernels.joint_model: 1 with the product model and its exclusive prefix sums exactly
+    """kernels.joint.joint_model: 1 with the product model and its exclusive prefix sums exactly
     when the values' bits fit the budget, the product has two or more cells and its
     estimated rounding is within max_excess of the two streams' bits, as model_bits,
     rans_product_model and joint_excess_bits say one by one; 0 otherwise."""
-    fn = kernels.joint_model if compiled else kernels.joint_model.py_func
+    fn = kernels.joint.joint_model if compiled else kernels.joint.joint_model.py_func
     rng = np.random.default_rng(4)
     c1 = np.bincount(np.minimum(rng.geometric(0.2, 50_000) - 1, 40), minlength=41).astype(np.int64)
     c2 = np.bincount(rng.choice(6, 50_000, p=[0.4, 0.3, 0.15, 0.1, 0.04, 0.01]), minlength=6).astype(np.int64)
     f1, f2 = quantize(c1), quantize(c2)
-    bits2 = kernels.model_bits(c2, f2)
+    bits2 = kernels.joint.model_bits(c2, f2)
     want = np.empty(f1.size * f2.size, np.int64)
-    assert kernels.rans_product_model(f1, f2, want) >= 2
-    excess = kernels.joint_excess_bits(f1, f2, c1, c2, want)
-    ratio = excess / (kernels.model_bits(c1, f1) + bits2)
+    assert kernels.joint.rans_product_model(f1, f2, want) >= 2
+    excess = kernels.joint.joint_excess_bits(f1, f2, c1, c2, want)
+    ratio = excess / (kernels.joint.model_bits(c1, f1) + bits2)
     for value_bits, max_excess, take in ((bits2 + 1, 1.0, 1), (bits2 - 1, 1.0, 0),
                                          (1e18, ratio * 1.01, 1), (1e18, ratio * 0.99, 0)):
         freq, cum = np.full(want.size, -7, np.int64), np.full(want.size, -7, np.int64)
@@ -1356,13 +1358,17 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     local = np.flatnonzero(a != b).astype(np.int64)
     d_compiled = _diff_compiled(a, b)
     placed_compiled = piece.canonical_index(local)
-    for name in ("diff_words", "diff16", "diff16_bitscan", "affine_index", "strictly_increasing_below", "leb128",
-                 "gaps_split", "gaps_join", "rans_encode", "rans_encode2", "rans_decode", "rans_decode2",
-                 "leb128_parse", "histogram_lines", "rice_shift", "map_symbols", "lookup", "rans_product_model",
-                 "joint_excess_bits", "model_bits", "rans_encode_joint", "rans_joint_table", "rans_decode_joint",
-                 "rans_decode_joint_gaps", "gaps_escapes", "xor_add_entropies",
-                 "entropy_of_counts", "joint_model", "runs_leb128", "model_parse", "rans_slot_table"):
-        monkeypatch.setattr(kernels, name, getattr(kernels, name).py_func)
+    for module, names in (
+            (kernels.diff, ("diff_words", "diff16", "diff16_bitscan")),
+            (kernels.place, ("affine_index",)),
+            (kernels.varints, ("leb128", "leb128_parse", "runs_leb128", "model_parse")),
+            (kernels.gaps, ("strictly_increasing_below", "gaps_split", "gaps_join", "rice_shift", "gaps_escapes")),
+            (kernels.rans, ("rans_encode", "rans_encode2", "rans_decode", "rans_decode2", "rans_slot_table")),
+            (kernels.joint, ("rans_product_model", "joint_excess_bits", "model_bits", "rans_encode_joint",
+                             "rans_joint_table", "rans_decode_joint", "rans_decode_joint_gaps", "joint_model")),
+            (kernels.values, ("histogram_lines", "map_symbols", "lookup", "xor_add_entropies", "entropy_of_counts"))):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name).py_func)
     assert codec.encode(p) == compiled
     for x, y in zip(_diff_compiled(a, b), d_compiled):
         np.testing.assert_array_equal(x, y)
@@ -1371,7 +1377,7 @@ def test_python_fallback_gives_identical_bits(monkeypatch):
     for r, q in zip(out.records, recs):
         np.testing.assert_array_equal(r.positions, q.positions)
         np.testing.assert_array_equal(r.values, q.values)
-    monkeypatch.setattr(kernels, "HAVE_NUMBA", False)  # the numpy paths of diff / placement / checks
+    monkeypatch.setattr(kernels.common, "HAVE_NUMBA", False)  # the numpy paths of diff / placement / checks
     assert codec.encode(p) == compiled
     np.testing.assert_array_equal(piece.canonical_index(local), placed_compiled)
 
@@ -1497,7 +1503,7 @@ def test_decoder_rejects_unknown_encoding_by_name():
 
 @needs_numba
 def test_kernels_are_compiled():
-    assert hasattr(kernels.rans_encode, "signatures")
+    assert hasattr(kernels.rans.rans_encode, "signatures")
 
 
 @needs_numba
@@ -1507,21 +1513,21 @@ def test_streaming_kernels_prefetch():
     is about to write (a hint: no output depends on it, so only the compiled code shows it)."""
     import numba  # compiled afresh (the kernels' own dispatchers load cached code, which has no listing)
 
-    a = np.zeros(4 * kernels.DIFF_PREFETCH, np.int16)
+    a = np.zeros(4 * kernels.diff.DIFF_PREFETCH, np.int16)
     buf = np.empty(len(a), np.int32), np.empty(len(a), np.int16), np.empty(len(a), np.int16)
-    scans = [kernels.diff16_bitscan] + ([kernels.diff16] if kernels.HAVE_VECTOR_DIFF else [])
-    for kernel in scans + [kernels.scatter_apply]:
+    scans = [kernels.diff.diff16_bitscan] + ([kernels.diff.diff16] if kernels.diff.HAVE_VECTOR_DIFF else [])
+    for kernel in scans + [kernels.scatter.scatter_apply]:
         fn = numba.njit(kernel.py_func)
-        if kernel is kernels.scatter_apply:
+        if kernel is kernels.scatter.scatter_apply:
             fn(a.view(np.uint16), np.arange(100, dtype=np.int64), np.ones(100, np.uint16), 1)
         else:
-            fn(a, a.copy(), 0, 0, *buf, kernels.DIFF_ADD, 0, *kernels.NO_ROWS)
+            fn(a, a.copy(), 0, 0, *buf, kernels.diff.DIFF_ADD, 0, *kernels.diff.NO_ROWS)
         assert any("prefetcht0" in asm for asm in fn.inspect_asm().values()), kernel.__name__
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("op", [0, 1, 2])
-@pytest.mark.parametrize("count", [0, 1, kernels._SCATTER_PREFETCH, 700])
+@pytest.mark.parametrize("count", [0, 1, kernels.scatter._SCATTER_PREFETCH, 700])
 def test_scatter_apply_matches_numpy(width, op, count):
     """The receiver's compiled sparse apply (xor / wrapping add / set) against numpy; counts
     below, at and above the distance it prefetches ahead (every change in its tail loop, or
@@ -1535,7 +1541,7 @@ def test_scatter_apply_matches_numpy(width, op, count):
     idx = pos.astype(np.int64)
     with np.errstate(over="ignore"):
         want[idx] = [want[idx] ^ vals, want[idx] + vals, vals][op]
-    for fn in (kernels.scatter_apply, kernels.scatter_apply.py_func):
+    for fn in (kernels.scatter.scatter_apply, kernels.scatter.scatter_apply.py_func):
         for p in (pos.view(np.int64), pos.astype(np.uint32)):
             got = flat.copy()
             with np.errstate(over="ignore"):  # the plain-Python twin's wrapping add
@@ -1564,7 +1570,7 @@ def test_scatter_apply_stops_at_a_bad_position(op, bad, at, why):
     idx = pos[:at]
     with np.errstate(over="ignore"):
         want[idx] = [want[idx] ^ vals[:at], want[idx] + vals[:at], vals[:at]][op]
-    for fn in (kernels.scatter_apply, kernels.scatter_apply.py_func):
+    for fn in (kernels.scatter.scatter_apply, kernels.scatter.scatter_apply.py_func):
         got = flat.copy()
         with np.errstate(over="ignore"):
             assert fn(got, pos, vals, op) == at + 1, why
@@ -1572,7 +1578,7 @@ def test_scatter_apply_stops_at_a_bad_position(op, bad, at, why):
 
 
 def test_entropy_bits_skips_zero_counts():
-    """positions.entropy_bits (through kernels.entropy_of_counts): counts of zero add nothing."""
+    """positions.entropy_bits (through kernels.values.entropy_of_counts): counts of zero add nothing."""
     from nemo_dcr.positions import entropy_bits
 
     assert entropy_bits(np.array([], np.int64)) == 0.0 and entropy_bits(np.zeros(3, np.int64)) == 0.0

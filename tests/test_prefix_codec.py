@@ -264,8 +264,8 @@ def test_split_kernel_runs_as_python_too():
     g = prefix.PrefixGaps(secs[0]["positions"], len(r.positions))
     vr = _ValuesReader(secs[0]["values"], len(r.positions), dtypes.from_name("BF16"), "x", coding="prefix")
     out = []
-    for split_kernel, join in ((kernels.prefix_split, kernels.gaps_join),
-                               (kernels.prefix_split.py_func, kernels.gaps_join.py_func)):
+    for split_kernel, join in ((kernels.prefix.prefix_split, kernels.gaps.gaps_join),
+                               (kernels.prefix.prefix_split.py_func, kernels.gaps.gaps_join.py_func)):
         m = len(r.positions)
         qsym, vsym, gps = np.empty(m, np.uint8), np.empty(m, np.int16), np.empty(m, np.int64)
         assert split_kernel(g.buf, g.starts, g.ends, g.shift, *prefix.decode_table(g.lengths),

@@ -10,7 +10,7 @@ from nemo_dcr import kernels
 from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.scatter import ADD, XOR, Job, ScatterPool
 
-pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="the pool runs the compiled scatter")
+pytestmark = pytest.mark.skipif(not kernels.common.HAVE_NUMBA, reason="the pool runs the compiled scatter")
 
 
 def _jobs(seed: int, n_jobs: int = 6, size: int = 5000, dtype=np.uint16):

@@ -745,7 +745,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     def _scatters(plan: _Plan) -> bool:
         """Whether `_write` applies records of `plan` with the compiled scatter (which checks
         their positions as it writes): one plain copy into contiguous CPU storage."""
-        return plan.identity and kernels.HAVE_NUMBA and plan.copies[0].dst.device.type == "cpu"
+        return plan.identity and kernels.common.HAVE_NUMBA and plan.copies[0].dst.device.type == "cpu"
 
     def _write(self, plan: _Plan, record: Record, copy: _Copy, cache: dict) -> None:
         """Apply `record` to the destination elements of one copy, on the bit view."""
@@ -760,14 +760,14 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                 bad = digest.scatter_sums(flat, pos, values, code, *digest.kernel_keys(record), sums)
                 cache["sums"] = sums
             else:
-                bad = kernels.scatter_apply(flat, pos, values, code)
+                bad = kernels.scatter.scatter_apply(flat, pos, values, code)
             if bad:
                 if op is Op.OVERWRITE:  # its positions were checked before its old bits were read
                     raise ApplyError(f"{record.name}: {_positions_problem(record)} after the check",
                                      bits_unknown=True)
                 done = bad - 1  # the changes before the first bad position were applied: take them back
                 back = np.asarray(inverse(record).values[:done], dtype=flat.dtype)
-                kernels.scatter_apply(flat, pos[:done], back, code)
+                kernels.scatter.scatter_apply(flat, pos[:done], back, code)
                 raise _BadPositions(_positions_problem(record))
             return
         if ("pos", device) not in cache:

@@ -29,7 +29,7 @@ import numpy as np
 from nemo_dcr import digest, kernels
 from nemo_dcr.runtimes.base import negated
 
-XOR, ADD = 0, 1  # kernels.scatter_apply's op codes (overwrites stay on the caller's thread)
+XOR, ADD = 0, 1  # kernels.scatter.scatter_apply's op codes (overwrites stay on the caller's thread)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class Job:
     def taken_back(self, lo: int, hi: int) -> None:
         """Undo this job's changes lo..hi (applied): xor again, or add the negation."""
         values = self.values[lo:hi]
-        kernels.scatter_apply(self.flat, self.positions[lo:hi], negated(values) if self.op == ADD else values, self.op)
+        kernels.scatter.scatter_apply(self.flat, self.positions[lo:hi], negated(values) if self.op == ADD else values,
+                                      self.op)
 
 
 def _only_idle_cores() -> None:
@@ -146,7 +147,8 @@ class ScatterPool:
                 job = jobs[j]
                 try:
                     if job.keys is None:
-                        results[k] = kernels.scatter_apply(job.flat, job.positions[lo:hi], job.values[lo:hi], job.op)
+                        results[k] = kernels.scatter.scatter_apply(job.flat, job.positions[lo:hi], job.values[lo:hi],
+                                                                   job.op)
                     else:
                         results[k] = digest.scatter_sums(job.flat, job.positions[lo:hi], job.values[lo:hi], job.op,
                                                          *job.keys, sums[k])
