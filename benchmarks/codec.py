@@ -15,7 +15,7 @@ NeMo-RL-style reference: sorted positions as gaps (uint16 if all fit, else uint3
 the XOR values as uint16, concatenated, then zstd level 1 (one frame per tensor).
 Every payload whose size is reported is decoded and checked against what was encoded.
 The device coder: the same records handed to the codec as torch tensors, written as format
-v6 (prefix codes, nemo_dcr.prefix; here on the CPU, the same torch code a GPU runs), beside
+v6 (prefix codes, nemo_dcr.wire.prefix; here on the CPU, the same torch code a GPU runs), beside
 format v5's joint rANS streams: bytes, and the receiver's decode time per change of each.
 """
 
@@ -37,9 +37,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
-from nemo_dcr import codec  # noqa: E402
-from nemo_dcr.positions import entropy_bits  # noqa: E402
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
+from nemo_dcr.wire import codec  # noqa: E402
+from nemo_dcr.wire.values import choose_op, entropy_bits, values_entropy_bits  # noqa: E402
 
 HDR = PayloadHeader("bench", 0, 1, "p0", "p0-0")
 
@@ -127,7 +127,7 @@ def best_decode_s(data: bytes, repeats: int = 3) -> float:
 
 
 def device_coded(records: list[Record], host: bytes) -> dict:
-    """The records coded as a GPU producer would (format v6, nemo_dcr.prefix) beside `host`
+    """The records coded as a GPU producer would (format v6, nemo_dcr.wire.prefix) beside `host`
     (their v5 payload): bytes, encode seconds (torch on this CPU) and decode ns a change of both."""
     data, secs = encode_checked(Payload(HDR, as_tensors(records)), version=6)
     changes = max(sum(len(r.positions) for r in records), 1)
@@ -159,12 +159,12 @@ def analyse(name: str, n: int, pos: np.ndarray, old_v: np.ndarray, new_v: np.nda
     device_too, also the device coder's (device_coded) for the chosen op."""
     xv = (old_v ^ new_v).astype(np.uint16)
     av = (new_v.astype(np.int32) - old_v.astype(np.int32)).astype(np.uint16)
-    op = codec.choose_op(xv, av, 2)
+    op = choose_op(xv, av, 2)
     sx, tx, *dx = encode_record(name, n, Op.XOR, pos, xv, device_too=device_too and op is Op.XOR)
     sa, ta, *da = encode_record(name, n, Op.ADD, pos, av, device_too=device_too and op is Op.ADD)
     ours, secs = (sx, tx) if op is Op.XOR else (sa, ta)
     pb, binom, hg = position_bound_bits(pos, n)
-    hx, ha = codec.values_entropy_bits(xv, 2), codec.values_entropy_bits(av, 2)
+    hx, ha = values_entropy_bits(xv, 2), values_entropy_bits(av, 2)
     vb = hx if op is Op.XOR else ha
     bound = (pb + vb) / 8
     return {"name": name, "numel": n, "changed": int(pos.size), "rate": pos.size / n, "op": op.value,
@@ -238,7 +238,7 @@ def real_model(args) -> list[dict]:
             pos = np.flatnonzero(o != nw)
             if pos.size:
                 xv, av = (o[pos] ^ nw[pos]), (nw[pos] - o[pos]).astype(np.uint16)
-                op = codec.choose_op(xv, av, 2)
+                op = choose_op(xv, av, 2)
                 payload.records.append(Record(name, "BF16", (o.size,), op, pos.astype(np.uint64),
                                               xv if op is Op.XOR else av))
         host = encode_checked(payload)[0]
@@ -265,13 +265,13 @@ def sweep(args, rng) -> dict:
         old, new, pos = ulp_delta(n, rate, rng)
         xv = (old[pos] ^ new[pos]).astype(np.uint16)
         av = (new[pos].astype(np.int32) - old[pos].astype(np.int32)).astype(np.uint16)
-        op = codec.choose_op(xv, av, 2)
+        op = choose_op(xv, av, 2)
         vals = xv if op is Op.XOR else av
         sp, tsp = encode_record("w", n, op, pos, vals, dense="never")
         de, tde = encode_record("w", n, op, pos, vals, dense="always")
         au, tau = encode_record("w", n, op, pos, vals, dense="auto")
         pb, _, _ = position_bound_bits(pos, n)
-        bound = (pb + codec.values_entropy_bits(vals, 2)) / 8
+        bound = (pb + values_entropy_bits(vals, 2)) / 8
         rows.append({"rate": rate, "changed": int(pos.size), "sparse_bytes": sp, "dense_bytes": de, "auto_bytes": au,
                      "dense_raw_bf16_bytes": 2 * n, "bound_bytes": bound, "nemo_rl_bytes": nemo_rl_style_bytes(pos, xv),
                      "dense_xor_zstd_bytes": dense_xor_zstd_bytes(n, pos, xv),

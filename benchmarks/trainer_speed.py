@@ -75,7 +75,8 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nemo_dcr import codec, kernels  # noqa: E402
+from nemo_dcr import kernels  # noqa: E402
+from nemo_dcr.wire import codec  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.memcpy import memcpy_gbs, touched_pair  # noqa: E402

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from nemo_dcr import codec
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.history import ANCHORS, DELTAS, History, HistoryError
+from nemo_dcr.wire import codec
 
 
 @dataclass

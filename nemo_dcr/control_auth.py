@@ -1,7 +1,7 @@
 """HMAC-SHA256 on control messages (begin / commit / abort / verify / shutdown / catalog and the
 receivers' ready / applied / verified replies), with the same shared key as payloads.
 
-Payloads carry their own HMAC (`nemo_dcr.codec`). Control messages travel as small JSON
+Payloads carry their own HMAC (`nemo_dcr.wire.codec`). Control messages travel as small JSON
 objects through whatever transport is configured, and transports add fields of their own
 (`kind`, `receiver`), so a MAC covers exactly the fields its signer put in, listed in
 `signed`, plus the message kind. The verifier recomputes it over those fields and also

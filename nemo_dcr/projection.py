@@ -37,9 +37,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr import codec
 from nemo_dcr.diff import diff
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+from nemo_dcr.wire import codec
+from nemo_dcr.wire.values import choose_op_from_add
 
 PAPER_1T_3PCT_S = 150.0  # the paper's 1T relay-tree refit at a 3% change rate
 PAPER_DENSE_1T_S = 87.5 * 60  # the paper's full 1T checkpoint between two AWS regions
@@ -87,7 +88,7 @@ def measure_costs(change_rate: float, elements: int = 1 << 24, seed: int = 0) ->
         def scan():  # as the producer's default op "auto": xor or add, whichever codes smaller
             d = diff(current, committed)
             add, new = d.add().numpy().view(np.uint16), d.new.numpy().view(np.uint16)
-            op = codec.choose_op_from_add(add, new, 2)
+            op = choose_op_from_add(add, new, 2)
             values = add if op is Op.ADD else d.xor().numpy().view(np.uint16)
             rec = Record("w", "BF16", (elements,), op, d.positions.numpy().astype(np.uint64), values)
             holder["wire"] = codec.encode(Payload(PayloadHeader("t", 0, 1, "p0", "p0-0"), [rec]))

@@ -31,7 +31,7 @@ class Record:
     positions: sorted, strictly increasing flat indices (uint64; codec.encode also takes uint32) into `shape`.
     values: unsigned bit values (width = dtype itemsize), one per position.
     codec.encode also takes both as torch tensors on one device (integer positions, integer
-    value bits): format v6 codes them there (nemo_dcr.prefix). Decoded records hold arrays.
+    value bits): format v6 codes them there (nemo_dcr.wire.prefix). Decoded records hold arrays.
     """
 
     name: str

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from nemo_dcr import codec, digest, dtypes, kernels
+from nemo_dcr import digest, dtypes, kernels
 from nemo_dcr.arena import Arena
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import DiffOutput, Rows, diff, diff_arrays
@@ -27,10 +27,13 @@ from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
 from nemo_dcr.metrics import page_faults
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
-from nemo_dcr.positions import MAX_NUMEL, check_positions
 from nemo_dcr.records import AUTO, Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 from nemo_dcr.verify import region_digest
+from nemo_dcr.wire import codec
+from nemo_dcr.wire.values import choose_op_from_add
+from nemo_dcr.wire.versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
+from nemo_dcr.wire.positions import MAX_NUMEL, check_positions
 
 @dataclass
 class ProducerReport:
@@ -194,12 +197,12 @@ _CHOICE_SAMPLE = 1 << 12
 
 
 def _choose_op_sampled(pairs: list[tuple[np.ndarray, np.ndarray]]) -> Op:
-    """codec.choose_op on an even sample (every k-th value) of the (add, new bits) pairs."""
+    """values.choose_op on an even sample (every k-th value) of the (add, new bits) pairs."""
     total = sum(a.size for a, _ in pairs)
     step = max(1, total // _CHOICE_SAMPLE)
     ad = _cat([a[::step] for a, _ in pairs])
     new = _cat([n[::step] for _, n in pairs])
-    return codec.choose_op_from_add(ad, new, ad.dtype.itemsize)
+    return choose_op_from_add(ad, new, ad.dtype.itemsize)
 
 
 def _xor_of(pairs: list[tuple[np.ndarray, np.ndarray]], arena: Arena) -> np.ndarray:
@@ -238,7 +241,7 @@ class Producer:
         zstd_level: int = 1,
         params: dict[str, torch.Tensor] | None = None,
         encode_threads: int = 0,
-        wire_version: int = codec.FORMAT_VERSION,
+        wire_version: int = FORMAT_VERSION,
         device_coding: str = "gpu",
         state_digest: bool = True,
     ):
@@ -256,7 +259,7 @@ class Producer:
         format, or 6, the device format (experimental; docs/wire-format.md).
         `device_coding` (with wire_version 6): "gpu" (default): the changes of ranges that
         live on a GPU stay there - placed, gathered into records and coded there (format
-        v6's prefix streams, `nemo_dcr.prefix`); only the positions and new bits the
+        v6's prefix streams, `nemo_dcr.wire.prefix`); only the positions and new bits the
         baseline stages and the payloads' bytes reach the host. "always": the same torch
         code for ranges on the CPU too (slower than the compiled host path; for tests and
         benchmarks). "never": every range's changes are coded on the host.
@@ -271,8 +274,8 @@ class Producer:
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
             raise ValueError(f"encode_threads must be an int >= 0, got {encode_threads!r}")
-        if type(wire_version) is not int or wire_version not in codec.WRITABLE_VERSIONS:
-            raise ValueError(f"wire_version must be {codec.writable_versions_text()} (the formats payloads can "
+        if type(wire_version) is not int or wire_version not in WRITABLE_VERSIONS:
+            raise ValueError(f"wire_version must be {writable_versions_text()} (the formats payloads can "
                              f"be written in), got {wire_version!r}")
         if first_payload_elements is not None and (type(first_payload_elements) is not int
                                                    or first_payload_elements < 1):

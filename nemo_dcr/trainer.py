@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.baseline import Baseline, fingerprint
-from nemo_dcr.codec import FORMAT_VERSION
 from nemo_dcr.commit import Coordinator, Decision, commit_log_for
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.digest import StateDigest, add_hex
@@ -28,6 +27,7 @@ from nemo_dcr.layout import OwnedRange, ParallelLayout
 from nemo_dcr.records import AUTO, Op
 from nemo_dcr.sender import Producer, ProducerReport
 from nemo_dcr.transport import TransferInfo, Transport
+from nemo_dcr.wire.versions import FORMAT_VERSION
 
 
 @dataclass

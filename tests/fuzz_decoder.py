@@ -52,10 +52,11 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nemo_dcr import codec, dtypes  # noqa: E402
+from nemo_dcr import dtypes  # noqa: E402
 from nemo_dcr.errors import PayloadRejected  # noqa: E402
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
 from nemo_dcr.runtimes.store import TensorStoreRuntime  # noqa: E402
+from nemo_dcr.wire import codec  # noqa: E402
 
 KEY = b"fuzz-key"
 HEADER = PayloadHeader("t-fuzz", 4, 5, "p0", "p0-000001")
@@ -63,7 +64,7 @@ EXPECTED = codec.Expected("t-fuzz", 4, 5)
 SHAPES = {"a": ("BF16", (64, 96)), "b": ("F32", (1000,)), "c": ("BF16", (3, 5, 7)), "d": ("I8", (4096,)),
           "e": ("F8_E4M3", (128, 128)), "f": ("BF16", (256, 512))}
 CATALOG = {n: (d, tuple(s)) for n, (d, s) in SHAPES.items()}
-PREFIX = struct.Struct("<4sHHI")
+FRAME_HEAD = struct.Struct("<4sHHI")
 
 
 def _record(rng: np.random.Generator, name: str, op: Op, rate: float) -> Record:
@@ -120,7 +121,7 @@ def _two_streams():
 # --- mutations ----------------------------------------------------------------------------
 
 def _split(data: bytes):
-    magic, version, flags, hlen = PREFIX.unpack_from(data)
+    magic, version, flags, hlen = FRAME_HEAD.unpack_from(data)
     header = json.loads(data[12:12 + hlen])
     body_len = header.get("body_bytes", 0)
     body = data[12 + hlen:12 + hlen + body_len]
@@ -129,7 +130,7 @@ def _split(data: bytes):
 
 def _seal(version: int, flags: int, header: dict, body: bytes, key: bytes | None) -> bytes:
     hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    head = PREFIX.pack(b"NDCR", version, flags, len(hbytes)) + hbytes + body
+    head = FRAME_HEAD.pack(b"NDCR", version, flags, len(hbytes)) + hbytes + body
     out = head + xxhash.xxh3_128_digest(head)  # for the versions a decoder must refuse too
     if flags & 1:
         out += hmac.new(key or b"", out, hashlib.sha256).digest()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dcr import codec
+from nemo_dcr.wire import codec
 from tests.support.launch import REPO, worker_env
 
 

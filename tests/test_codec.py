@@ -14,38 +14,17 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr import codec, dtypes, kernels
-from nemo_dcr.codec import (
-    CHECKSUM_BYTES,
-    FLAG_HMAC,
-    FORMAT_VERSION,
-    HMAC_BYTES,
-    MAGIC,
-    PREFIX_BYTES,
-    DecodeLimits,
-    Expected,
-    decode,
-    encode,
-    peek_header,
-)
+from nemo_dcr import dtypes, kernels
 from nemo_dcr.errors import PayloadRejected
-from nemo_dcr.positions import (
-    PositionsError,
-    RansStream,
-    Reader,
-    decode_gaps_rans,
-    decode_runs,
-    encode_gaps_rans,
-    encode_rans,
-    encode_runs,
-    leb128_decode,
-    leb128_encode,
-    leb128_ints,
-    model_bytes,
-    quantize,
-    read_model,
-)
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+from nemo_dcr.wire import codec
+from nemo_dcr.wire.codec import FORMAT_VERSION, DecodeLimits, Expected, decode, encode, peek_header
+from nemo_dcr.wire.errors import PositionsError
+from nemo_dcr.wire.frame import CHECKSUM_BYTES, FLAG_HMAC, FRAME_HEAD_BYTES, HMAC_BYTES, MAGIC
+from nemo_dcr.wire.gaps import decode_gaps_rans, encode_gaps_rans
+from nemo_dcr.wire.positions import decode_runs, encode_runs
+from nemo_dcr.wire.rans import RansStream, encode_rans, model_bytes, quantize, read_model
+from nemo_dcr.wire.varints import Reader, leb128_decode, leb128_encode, leb128_ints
 
 KEY = b"k" * 32
 DTYPES = ["BF16", "F16", "F32", "F64", "I64", "I32", "U8", "BOOL", "F8_E4M3"]
@@ -97,8 +76,8 @@ def reject(data, reason: str, **kw) -> PayloadRejected:
 def split(data: bytes) -> tuple[int, dict, list[dict]]:
     """(flags, header dict, per record {"positions": frame|None, "values": frame})."""
     _, _, flags, hlen = struct.unpack_from("<4sHHI", data)
-    header = json.loads(data[PREFIX_BYTES:PREFIX_BYTES + hlen])
-    body = data[PREFIX_BYTES + hlen:]
+    header = json.loads(data[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen])
+    body = data[FRAME_HEAD_BYTES + hlen:]
     secs = []
     for r in header["records"]:
         s = {}
@@ -468,7 +447,7 @@ def test_checksum_mismatch():
     data[-CHECKSUM_BYTES - 3] ^= 0x40  # inside the body
     reject(bytes(data), "checksum mismatch (XXH3-128)")
     data = bytearray(sample())
-    data[PREFIX_BYTES + 5] ^= 0x01  # inside the header
+    data[FRAME_HEAD_BYTES + 5] ^= 0x01  # inside the header
     reject(bytes(data), "checksum mismatch")
     data = bytearray(sample())
     data[-1] ^= 0x80  # inside the checksum itself
@@ -818,7 +797,7 @@ def test_fuzz_bit_flips_and_truncations_only_reject():
         rec("d", "F8_E4M3", (0,), []),
     ))
     hlen = struct.unpack_from("<I", data, 8)[0]
-    body_start, body_end = PREFIX_BYTES + hlen, len(data) - CHECKSUM_BYTES
+    body_start, body_end = FRAME_HEAD_BYTES + hlen, len(data) - CHECKSUM_BYTES
     accepted = 0
     for i in range(3000):
         buf = bytearray(data)
@@ -835,7 +814,7 @@ def test_fuzz_bit_flips_and_truncations_only_reject():
             continue
         # Resealed damage (an attacker who recomputes the unkeyed checksum): every
         # parser path below the checksum gets hit; anything but PayloadRejected fails.
-        lo, hi = (PREFIX_BYTES, body_start) if kind == 1 else (body_start, body_end)
+        lo, hi = (FRAME_HEAD_BYTES, body_start) if kind == 1 else (body_start, body_end)
         for _ in range(rng.integers(1, 3)):
             j = int(rng.integers(lo, hi))
             buf[j] ^= 1 << int(rng.integers(0, 8))
@@ -1151,8 +1130,8 @@ def test_stored_section_rules_need_a_section():
     # The key may appear once, like any other.
     _, data = rans_payload()
     hlen = struct.unpack_from("<I", data, 8)[0]
-    hbytes = data[PREFIX_BYTES:PREFIX_BYTES + hlen].replace(b'"stored":true', b'"stored":true,"stored":true', 1)
-    reject(assemble(hbytes, data[PREFIX_BYTES + hlen:-CHECKSUM_BYTES]), "duplicate key")
+    hbytes = data[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen].replace(b'"stored":true', b'"stored":true,"stored":true', 1)
+    reject(assemble(hbytes, data[FRAME_HEAD_BYTES + hlen:-CHECKSUM_BYTES]), "duplicate key")
 
 
 def test_stored_sections_keep_the_limits():

@@ -31,8 +31,9 @@ from hypothesis import strategies as st
 from nemo_dcr.converters.identity import IdentityConverter
 from nemo_dcr.converters.llama import LlamaConverter, LlamaFP8Converter
 
-from nemo_dcr import codec, registry
+from nemo_dcr import registry
 from nemo_dcr.capture import torch_owned_ranges
+from nemo_dcr.wire import codec
 from nemo_dcr.converter import (
     ColumnParallel,
     Rule,

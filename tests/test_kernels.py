@@ -12,25 +12,25 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_dcr import codec, joint, kernels, positions
+from nemo_dcr import kernels
 from nemo_dcr.diff import _diff_compiled, _diff_cpu_words, diff, diff_arrays
 from nemo_dcr.errors import PayloadRejected
 from nemo_dcr.placement import AffineMap, Piece
-from nemo_dcr.positions import (
-    PositionsError,
-    RansStream,
-    Reader,
-    decode_gaps_rans,
-    decode_rans,
-    decode_rans_pair,
-    encode_gaps_rans,
-    encode_rans,
-    encode_rans_pair,
-    gaps_parts,
-    leb128_encode,
-    quantize,
-)
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+from nemo_dcr.wire import codec, joint
+from nemo_dcr.wire.errors import PositionsError
+from nemo_dcr.wire.frame import CHECKSUM_BYTES
+from nemo_dcr.wire.gaps import decode_gaps_rans, encode_gaps_rans, gaps_parts
+from nemo_dcr.wire.rans import RansStream, decode_rans, decode_rans_pair, encode_rans, encode_rans_pair, quantize
+from nemo_dcr.wire.values import (
+    _zeroed_tables,
+    choose_op,
+    choose_op_from_add,
+    encode_value_symbols,
+    value_histogram,
+    value_parts,
+)
+from nemo_dcr.wire.varints import Reader, leb128_encode
 
 HDR = PayloadHeader("t", 0, 1, "p", "p-0")
 NP_DTYPES = [np.int16, np.int32, np.uint8, np.int8]
@@ -644,12 +644,12 @@ def test_value_histogram_matches_unique_and_leaves_its_tables_zeroed(n, width):
     for vals in (rng.geometric(0.3, n).astype(dt), rng.integers(0, top + 1, n).astype(dt),
                  np.full(n, 7, dt), np.full(n, top, dt)):
         for _ in range(2):
-            distinct, counts = codec.value_histogram(vals, width)
+            distinct, counts = value_histogram(vals, width)
             expect, expect_counts = np.unique(vals, return_counts=True)
             assert distinct.dtype == dt
             np.testing.assert_array_equal(distinct, expect)
             np.testing.assert_array_equal(counts, expect_counts)
-            table, lines = codec._zeroed_tables(width)
+            table, lines = _zeroed_tables(width)
             assert not table.any() and not lines.any()
 
 
@@ -751,7 +751,7 @@ def test_distinct_sample_values_in_order_of_first_appearance(compiled):
 def test_xor_add_entropies_match_the_histograms_of_both_value_arrays(compiled, width):
     """op "auto"'s choice from (add, new bits): the entropies of new ^ old and of
     new - old (wrapping) equal numpy's from np.unique's counts, the tables come back zero,
-    and codec.choose_op_from_add picks what choose_op picks from both arrays."""
+    and choose_op_from_add picks what choose_op picks from both arrays."""
     def entropy_bits(counts):  # numpy, independent of the kernel's own sum
         c = counts.astype(np.float64)
         return float((c * (np.log2(c.sum()) - np.log2(c))).sum())
@@ -772,7 +772,7 @@ def test_xor_add_entropies_match_the_histograms_of_both_value_arrays(compiled, w
             assert not table.any() and not lines.any()
             want = [entropy_bits(np.unique(v, return_counts=True)[1]) if n else 0.0 for v in (new ^ old, add)]
             assert (hx, ha) == pytest.approx(want, rel=1e-12, abs=1e-9)
-            assert codec.choose_op_from_add(add, new, width) is codec.choose_op(new ^ old, add, width)
+            assert choose_op_from_add(add, new, width) is choose_op(new ^ old, add, width)
 
 
 def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
@@ -785,11 +785,11 @@ def test_value_histogram_tables_stay_clean_when_interrupted(monkeypatch):
 
     monkeypatch.setattr(kernels.values, "histogram_lines", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
+        value_histogram(np.array([3, 3, 4], np.uint16), 2)
     monkeypatch.undo()
-    distinct, counts = codec.value_histogram(np.array([3, 3, 4], np.uint16), 2)
+    distinct, counts = value_histogram(np.array([3, 3, 4], np.uint16), 2)
     assert distinct.tolist() == [3, 4] and counts.tolist() == [2, 1]
-    table, lines = codec._zeroed_tables(2)
+    table, lines = _zeroed_tables(2)
     assert not table.any() and not lines.any()
     assert kernels.gaps.rice_shift(np.empty(0, np.int64), 255) == 0
 
@@ -832,7 +832,7 @@ def test_rans_model_is_quantize_with_prefix_sums(compiled):
     wherever it takes the counts, and hands every other case to quantize: -1 for a
     remainder the largest symbol cannot absorb and for sums too large; the number of
     symbols that occur when fewer than two do (nothing written then)."""
-    from nemo_dcr.positions import _quantize_general
+    from nemo_dcr.wire.rans import _quantize_general
 
     model = kernels.rans.rans_model if compiled else kernels.rans.rans_model.py_func
     rng = np.random.default_rng(11)
@@ -875,8 +875,8 @@ def test_raw_streams_are_pinned():
             "rans_even": encode_rans(sym[:-1], np.bincount(sym[:-1])),
             "rans_one": encode_rans(sym[:1], np.bincount(sym[:1])),
             "gaps_rans": encode_gaps_rans(pos)[0],
-            "symbols_rans": codec.encode_value_symbols(vals, 2)}
-    joint_sections = joint.encode_joint(gaps_parts(pos), codec.value_parts(vals[:pos.size], 2), 1 << 30)
+            "symbols_rans": encode_value_symbols(vals, 2)}
+    joint_sections = joint.encode_joint(gaps_parts(pos), value_parts(vals[:pos.size], 2), 1 << 30)
     raws["gaps_joint"], raws["symbols_joint"] = (b"".join(map(bytes, part)) for part in joint_sections)
     pinned = {"rans_odd": "3c7bd2550b889642385649d35fd218de00cbf3e5a7d09e1c791613be53e35bb6",
               "rans_even": "41e7dc638e7b9d16ca9c672c09764faca674156486ea5ff507c25a0b76c9845d",
@@ -1122,7 +1122,7 @@ def test_gaps_parts_in_scratch_match_fresh_memory(monkeypatch):
         gaps_parts(cases[1], reuse=True)  # dirty: the largest split
         gaps_parts(cases[3], reuse=True)
         _same_split(gaps_parts(pos, reuse=True), fresh)
-    monkeypatch.setattr(positions, "_SCRATCH_CAP", 1 << 12)
+    monkeypatch.setattr("nemo_dcr.wire.gaps._SCRATCH_CAP", 1 << 12)
     pos = np.arange(0, 4 * 6000, 4, dtype=np.uint64)  # symbols alone past the cap
     first, second = gaps_parts(pos, reuse=True), gaps_parts(pos[1:], reuse=True)
     assert not np.shares_memory(first.sym, second.sym)
@@ -1302,12 +1302,12 @@ def test_joint_encoder_keeps_two_streams_when_the_product_does_not_pay():
     rng = np.random.default_rng(2)
     pos = np.flatnonzero(rng.random(400_000) < 0.03).astype(np.uint64)
     gp = gaps_parts(pos)
-    few = codec.value_parts(rng.integers(1, 9, pos.size).astype(np.uint16), 2)
+    few = value_parts(rng.integers(1, 9, pos.size).astype(np.uint16), 2)
     assert joint.encode_joint(gp, few, pos.size) is not None
     assert joint.encode_joint(gp, few, 100) is None  # values over the budget: planes are tried
-    many = codec.value_parts(rng.integers(1, 1000, pos.size).astype(np.uint16), 2)
+    many = value_parts(rng.integers(1, 1000, pos.size).astype(np.uint16), 2)
     assert gp.counts.size * many.counts.size > joint.MAX_CELLS and joint.encode_joint(gp, many, pos.size) is None
-    one = codec.value_parts(np.full(pos.size, 5, np.uint16), 2)
+    one = value_parts(np.full(pos.size, 5, np.uint16), 2)
     assert joint.encode_joint(gp, one, pos.size) is None
 
 
@@ -1450,7 +1450,7 @@ def _resealed(data: bytes, part: str, damage) -> bytes:
 
     hlen = struct.unpack("<I", data[8:12])[0]
     header = json.loads(data[12:12 + hlen])
-    body = data[12 + hlen:len(data) - codec.CHECKSUM_BYTES]
+    body = data[12 + hlen:len(data) - CHECKSUM_BYTES]
     secs = []
     for r in header["records"]:
         for k in ("positions", "values"):
@@ -1496,7 +1496,7 @@ def test_decoder_rejects_unknown_encoding_by_name():
     data = codec.encode(Payload(HDR, [Record("w", "BF16", (50_000,), Op.ADD,
                                              np.arange(0, 50_000, 7, dtype=np.uint64),
                                              np.ones(7143, np.uint16))]))
-    blob = data.replace(b'"gaps_rans"', b'"gaps_ranz"')[:-codec.CHECKSUM_BYTES]
+    blob = data.replace(b'"gaps_rans"', b'"gaps_ranz"')[:-CHECKSUM_BYTES]
     with pytest.raises(PayloadRejected, match="unknown position encoding 'gaps_ranz'"):
         codec.decode(blob + xxhash.xxh3_128_digest(blob))
 
@@ -1578,8 +1578,8 @@ def test_scatter_apply_stops_at_a_bad_position(op, bad, at, why):
 
 
 def test_entropy_bits_skips_zero_counts():
-    """positions.entropy_bits (through kernels.values.entropy_of_counts): counts of zero add nothing."""
-    from nemo_dcr.positions import entropy_bits
+    """values.entropy_bits (through kernels.values.entropy_of_counts): counts of zero add nothing."""
+    from nemo_dcr.wire.values import entropy_bits
 
     assert entropy_bits(np.array([], np.int64)) == 0.0 and entropy_bits(np.zeros(3, np.int64)) == 0.0
     assert entropy_bits(np.array([3, 0, 1, 0])) == pytest.approx(3 * np.log2(4 / 3) + np.log2(4), rel=1e-12)

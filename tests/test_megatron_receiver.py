@@ -204,11 +204,11 @@ def test_residual_qkv_takes_overwrites_and_refuses_deltas(checkpoint, megatron):
 def test_subset_receiver_skips_tensors_it_does_not_hold(checkpoint, tmp_path):
     """A receiver whose runtime holds part of the model (`canonical_catalog=`): records of
     tensors it does not hold are validated and skipped, unknown names still rejected."""
-    from nemo_dcr import codec
     from nemo_dcr.receiver import Receiver
     from nemo_dcr.records import Payload, PayloadHeader
     from nemo_dcr.runtimes.store import TensorStoreRuntime
     from nemo_dcr.transport import Event, TransferInfo
+    from nemo_dcr.wire import codec
 
     specs = read_specs(checkpoint)
     full = CheckpointReader(checkpoint).state_dict()

@@ -1,5 +1,5 @@
 """Wire format v6: records handed to the codec as torch tensors, coded where they are as
-one prefix-coded bit stream (`gaps_prefix` / `symbols_prefix`, nemo_dcr.prefix), and
+one prefix-coded bit stream (`gaps_prefix` / `symbols_prefix`, nemo_dcr.wire.prefix), and
 what their decoder refuses. The coder is the same torch code on a CPU and a GPU; the
 last test compares the two where a GPU is present."""
 
@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr import dtypes, kernels, prefix
-from nemo_dcr.codec import _ValuesReader, decode, encode
+from nemo_dcr import dtypes, kernels
 from nemo_dcr.errors import PayloadRejected
-from nemo_dcr.positions import leb128_encode
 from nemo_dcr.records import Op, Payload, Record
+from nemo_dcr.wire import prefix
+from nemo_dcr.wire.codec import decode, encode
+from nemo_dcr.wire.values import ValuesReader
+from nemo_dcr.wire.varints import leb128_encode
 from tests.test_codec import HDR, assert_same, edited, encodings, payload, reject, set_section, split, ulp_record
 
 PREFIX = ("gaps_prefix", "symbols_prefix")
@@ -262,7 +264,7 @@ def test_split_kernel_runs_as_python_too():
     _, h, secs = split(encode6(r))
     assert h["records"][0]["positions"]["encoding"] == "gaps_prefix"
     g = prefix.PrefixGaps(secs[0]["positions"], len(r.positions))
-    vr = _ValuesReader(secs[0]["values"], len(r.positions), dtypes.from_name("BF16"), "x", coding="prefix")
+    vr = ValuesReader(secs[0]["values"], len(r.positions), dtypes.from_name("BF16"), "x", coding="prefix")
     out = []
     for split_kernel, join in ((kernels.prefix.prefix_split, kernels.gaps.gaps_join),
                                (kernels.prefix.prefix_split.py_func, kernels.gaps.gaps_join.py_func)):

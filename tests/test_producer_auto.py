@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr import codec, sender
+from nemo_dcr import sender
 from nemo_dcr.arena import Arena
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
@@ -13,6 +13,8 @@ from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.records import Op
 from nemo_dcr.sender import AUTO, Producer
 from nemo_dcr.transport import TransferInfo
+from nemo_dcr.wire import codec
+from nemo_dcr.wire.values import choose_op
 from tests.support.transports import KeepingEnd
 
 
@@ -82,7 +84,7 @@ def test_sampled_choice_matches_the_exact_one_on_small_records():
     for new, want in ((ulp, Op.ADD), (flip, Op.XOR)):
         add = new - old
         pairs = [(add[:400], new[:400]), (add[400:], new[400:])]  # (add, new bits), as the producer keeps them
-        assert codec.choose_op(new ^ old, add, 2) is want
+        assert choose_op(new ^ old, add, 2) is want
         assert sender._choose_op_sampled(pairs) is want
 
 

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr import codec, sender
+from nemo_dcr import sender
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.sender import AUTO, Producer
 from nemo_dcr.transport import TransferInfo
+from nemo_dcr.wire import codec
 from tests.support.transports import KeepingEnd
 
 ROWS, COLS = 64, 512

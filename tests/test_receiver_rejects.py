@@ -9,12 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from nemo_dcr import codec, registry
+from nemo_dcr import registry
 from nemo_dcr.receiver import Receiver
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.runtimes.hf import HFRuntime
 from nemo_dcr.transport import Event, TransferInfo
 from nemo_dcr.verify import bit_mismatches
+from nemo_dcr.wire import codec
 
 INFO = TransferInfo("v0-v1-test", 0, 1, ("p0",))
 NAME, SHAPE = "model.layers.0.mlp.down_proj.weight", (64, 128)

@@ -22,10 +22,11 @@ import torch
 from torch.nn.utils import parametrize
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from nemo_dcr import codec, registry
+from nemo_dcr import registry
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.capture import torch_owned_ranges
 from nemo_dcr.checkpoint import read_specs
+from nemo_dcr.wire import codec
 from nemo_dcr.converter import (
     Context,
     Replicated,

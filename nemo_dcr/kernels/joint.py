@@ -1,6 +1,6 @@
 """The joint rANS stream of format v5 (docs/wire-format.md, "Joint stream"): a record's gap
 quotients and value symbols as one symbol per change, four interleaved states, a model that
-is the product of the two sent (nemo_dcr.joint)."""
+is the product of the two sent (nemo_dcr.wire.joint)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def joint_excess_bits(f1, f2, c1, c2, freq):
 
 @_jit
 def joint_model(f1, f2, c1, c2, value_bits, max_excess, freq, cum):
-    """A joint stream's model, or why not (`joint.encode_joint`), in one compiled call:
+    """A joint stream's model, or why not (`wire.joint.encode_joint`), in one compiled call:
     0 when the values' stream would take more than `value_bits` bits (model_bits), when
     the product model (`rans_product_model`, into int64 `freq`) has fewer than two cells,
     or when its estimated rounding (`joint_excess_bits`) exceeds `max_excess` of the two
@@ -162,7 +162,7 @@ def rans_joint_table(freq, a2, vmap, slots, cells):
     cell (non-zero frequency) has one uint64 entry with what a decoding step needs: its
     frequency (bits 0-15), the first slot of its range (16-31), the quotient q (32-39) and
     vmap[v] (40-55: the value symbol, vmap = arange(a2), or the value itself where vmap is
-    the values' table of 8- or 16-bit values). Two forms (`joint.decode_joint` picks one
+    the values' table of 8- or 16-bit values). Two forms (`wire.joint.decode_joint` picks one
     for the host's L2):
     - per slot (`slots` empty): cells[slot] is the entry of the slot's cell, for each of
       the 2**16 slots (512 KB): a decoding step loads one entry;

@@ -1,6 +1,6 @@
 """The decoder of format v6's prefix stream: a `gaps_prefix` section's four lanes split into
 quotient symbols, gaps and value symbols (docs/wire-format.md, "Prefix stream"). The encoder
-is torch code (nemo_dcr.prefix)."""
+is torch code (nemo_dcr.wire.prefix)."""
 
 from __future__ import annotations
 

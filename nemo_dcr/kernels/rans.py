@@ -25,7 +25,7 @@ _QUANTIZE_MAX_SUM = 1 << 46  # counts summing below this quantise here (c << 16 
 @_jit
 def rans_model(counts, freq, cum):
     """A stream's model from int64 symbol counts in one compiled call: the number of
-    symbols that occur, or -1 when the counts need `positions.quantize`'s general path (a
+    symbols that occur, or -1 when the counts need `wire.rans.quantize`'s general path (a
     negative count, a sum >= 2**46, or a remainder the most frequent symbol cannot take).
     With two or more symbols it writes `freq` (quantize's fast path, the same integers:
     floor(c * 2**16 / m), raised to 1 where c > 0, the remainder to the first most frequent

@@ -22,7 +22,7 @@ prefetch, SCATTER_PREFETCH = _prefetch, _SCATTER_PREFETCH
 def scatter_apply(flat, pos, vals, op):
     """In place on an unsigned bit view: flat[pos] ^= vals (op 0), += vals wrapping (op 1)
     or = vals (op 2), checking the positions as it goes: int64 (uint64 ones through
-    `positions.signed_view`) or uint32, strictly increasing, in [0, flat.size). Returns 0,
+    `wire.positions.signed_view`) or uint32, strictly increasing, in [0, flat.size). Returns 0,
     or 1 + the index of the first position that is not: the changes before it are
     applied, none from it on (the caller takes them back). The check adds nothing to the
     scatter's memory traffic; a pass of its own read 8 bytes a change more, 11-15% of one

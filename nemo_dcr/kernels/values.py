@@ -160,7 +160,7 @@ def _count_few(vals, lo, few, counts, table, lines):
 @_jit
 def entropy_of_counts(found, k):
     """Order-0 entropy in bits of a sample with the counts found[:k] (zeros allowed):
-    sum c * log2(m / c). `positions.entropy_bits` for any counts."""
+    sum c * log2(m / c). `wire.values.entropy_bits` for any counts."""
     m = np.int64(0)
     for i in range(k):
         m += found[i]

@@ -23,7 +23,7 @@ def _put_varint(out, n, v):
 @_jit
 def leb128(x, out):
     """Unsigned LEB128 of every uint64 of x into out (room for 10 bytes each); returns
-    the bytes written (the same bytes as positions.leb128_encode)."""
+    the bytes written (the same bytes as wire.varints.leb128_encode)."""
     n = 0
     for i in range(x.size):
         n = _put_varint(out, n, np.uint64(x[i]))
@@ -32,7 +32,7 @@ def leb128(x, out):
 
 @_jit
 def runs_leb128(p, out):
-    """`positions.encode_runs`' varints for strictly increasing uint64 (or uint32)
+    """`wire.positions.encode_runs`' varints for strictly increasing uint64 (or uint32)
     positions p: for each run of consecutive positions, the gap from the end of the run
     before it (from 0 for the first), then its length; into out (room for 20 bytes a
     position). Returns the bytes written. One pass where numpy's ten steps took ~20 us
@@ -58,7 +58,7 @@ def leb128_parse(buf, start, n, out):
     """Decode up to n canonical unsigned LEB128 varints from buf[start:] into uint64 out
     (size >= n); stops at n or at the end of buf. Returns (varints decoded, end offset),
     or (-1, offset of the bad varint) for one that is truncated, longer than 10 bytes,
-    non-minimal or beyond 64 bits (positions.leb128_decode names the reason)."""
+    non-minimal or beyond 64 bits (wire.varints.leb128_decode names the reason)."""
     p = start
     k = 0
     size = buf.size
@@ -85,7 +85,7 @@ def leb128_parse(buf, start, n, out):
 
 @_jit
 def model_parse(buf, start, max_alphabet, total, out):
-    """A stream's model at buf[start:] as `positions.read_model` reads it, in one compiled
+    """A stream's model at buf[start:] as `wire.rans.read_model` reads it, in one compiled
     call where its varint reads and numpy checks took ~12 us a model, two models a joint
     record: the alphabet size, then that many frequencies into uint64 out, all canonical
     varints, 1 <= alphabet <= min(max_alphabet, out.size), every frequency <= total and

@@ -57,10 +57,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr import digest, dtypes, kernels
 from nemo_dcr.errors import ApplyError
-from nemo_dcr.positions import check_positions, signed_view
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
+from nemo_dcr.wire.positions import check_positions, signed_view
 
 _aten = torch.ops.aten
 # numpy dtype with the same width as `DType.bits_torch` (torch lacks wide unsigned ops)

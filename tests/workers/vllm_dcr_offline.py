@@ -74,7 +74,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     # vLLM first: its CPU start-up scans loaded modules, which trips over numba's LLVM
-    # binding once NeMo-DCR's compiled kernels are loaded (see nemo_dcr/wire_versions.py).
+    # binding once NeMo-DCR's compiled kernels are loaded (see nemo_dcr/wire/versions.py).
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=128, seed=0, weight_transfer_config={"backend": "dcr"})
     from nemo_dcr.errors import TransferFailed

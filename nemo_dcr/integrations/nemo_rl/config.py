@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nemo_dcr.wire_versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text  # not codec: see there
+from nemo_dcr.wire.versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text  # not codec: see there
 
 ENGINE_PATH = "nemo_dcr.integrations.nemo_rl:DCRCheckpointEngine"
 PATH = f'policy.generation.refit_cfg["{ENGINE_PATH}"]'

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import kernels
-from .positions import GapsParts, GapsReader, PositionsError, model_bytes, rans_stream_chunks, rans_table
+from .. import kernels
+from .errors import PositionsError
+from .gaps import GapsParts, GapsReader
+from .rans import model_bytes, rans_stream_chunks, rans_table
 
 # Cells (A1 * A2) a joint model may have: its tables stay small (the encoder's 32 bytes a
 # cell, the decoder's 8), and a product over more cells than this rounds too coarsely
@@ -75,7 +77,7 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
     former; None when the record should keep two streams: a model of one symbol, more
     than MAX_CELLS cells, a product model estimated to cost more than MAX_EXCESS, or
     values that would take more than `value_budget` bytes (where the codec would try byte
-    planes). gp / vp: the record's `positions.gaps_parts` / `codec.value_parts`."""
+    planes). gp / vp: the record's `gaps.gaps_parts` / `values.value_parts`."""
     c1 = np.asarray(gp.counts, dtype=np.int64)
     c2 = np.asarray(vp.counts, dtype=np.int64)
     cells = c1.size * c2.size  # the models have the counts' sizes: decided before they are made
@@ -100,7 +102,7 @@ def encode_joint(gp: GapsParts, vp, value_budget: int) -> tuple[list, list] | No
 def decode_joint(f1: np.ndarray, f2: np.ndarray, words: np.ndarray, m: int,
                  values: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(m quotients as uint8, m value symbols as int16) of a joint stream, given the two
-    models as read (`positions.read_model`, checked) and the stream's words. With
+    models as read (`rans.read_model`, checked) and the stream's words. With
     `values`, the values' table of 8- or 16-bit values, one per value symbol (a section
     without escapes), the second array holds the values themselves (that table's dtype):
     the decoder writes them where it would write the symbols, and no lookup pass follows.

@@ -1,7 +1,7 @@
 """A record's changes as one prefix-coded bit stream, coded with torch ops on whatever
 device holds them (wire format v6: `gaps_prefix` / `symbols_prefix`; docs/wire-format.md).
 
-Why: the rANS streams (nemo_dcr.joint, nemo_dcr.kernels) code a record's changes one
+Why: the rANS streams (nemo_dcr.wire.joint, nemo_dcr.kernels) code a record's changes one
 after another, four chains at most, which is what a CPU core does well and a GPU does
 not. With prefix codes every change's bits have a length known before anything is
 written - its quotient's code, its value's code, its gap's r low bits - so the offsets of
@@ -32,8 +32,10 @@ import heapq
 import numpy as np
 import torch
 
-from . import kernels
-from .positions import MAX_NUMEL, PositionsError, Reader, leb128_encode
+from .. import kernels
+from .errors import PositionsError
+from .positions import MAX_NUMEL
+from .varints import Reader, leb128_encode
 
 # Code lengths are 4-bit fields (0: symbol absent), at most 13: the decoder looks a code
 # up in one table of 2**13 slots at most (16 KiB; one of 2**15 would miss the L1 cache).
@@ -199,7 +201,7 @@ def encode_prefix(pos: torch.Tensor, vals: torch.Tensor, width: int, table: np.n
     """(`gaps_prefix` section, `symbols_prefix` section) as chunks of the record whose
     positions (int64, strictly increasing: see check_order) and value bits (width 1 or 2)
     are on one device; `table` (ascending, from value_counts) and `escape` (0/1) are the
-    values' table, as `codec.value_parts` chooses it."""
+    values' table, as `values.value_parts` chooses it."""
     dev = pos.device
     m = pos.numel()
     g = torch.diff(pos, prepend=pos.new_full((1,), -1)) - 1  # gaps >= 0

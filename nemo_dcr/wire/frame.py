@@ -1,0 +1,171 @@
+"""The payload's frame (docs/wire-format.md, "Byte layout"): the frame head, the body's
+sections, the checksum and HMAC trailer. All integers little-endian:
+
+    offset          size   field
+    0               4      magic b"NDCR"
+    4               2      u16 format version: 5 (the host format) or 6 (the device format)
+    6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
+    8               4      u32 header length H
+    12              H      header: JSON, UTF-8, sorted keys, no whitespace (`header`)
+    12+H            B      body: sections, back to back, in record order
+                           (each record: positions section, then values section)
+    12+H+B          16     XXH3-128 of bytes [0, 12+H+B), xxh3_128_digest (big-endian)
+    12+H+B+16       32     HMAC-SHA256 of bytes [0, 12+H+B+16)   (only if flag bit 0)
+
+The first 12 bytes are the frame head; B is `body_bytes` in the header. Each non-empty
+section is either stored (its header entry says "stored": true; its raw bytes, length ==
+raw_length) or exactly one zstd frame that declares its content size; an empty section
+(raw length 0) has no bytes at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from typing import Any
+
+import xxhash
+import zstandard
+
+from ..errors import PayloadRejected
+from .errors import Malformed
+from .header import DecodeLimits, Section
+from .versions import READABLE_VERSIONS, readable_versions_text
+
+
+MAGIC = b"NDCR"
+FLAG_HMAC = 0x0001
+FRAME_HEAD = struct.Struct("<4sHHI")
+FRAME_HEAD_BYTES = FRAME_HEAD.size  # 12
+CHECKSUM_BYTES = 16
+HMAC_BYTES = 32
+
+
+_ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"
+# Frames we write use far smaller windows (level 19: 8 MiB); a larger declared window
+# is refused rather than allocated.
+MAX_WINDOW = 1 << 27
+
+
+def checksum(*parts: Any) -> bytes:
+    """XXH3-128 of bytes [0, 12+H+B), given as one or more consecutive parts (hashed as they
+    are, not joined first); CHECKSUM_BYTES long. Why XXH3: an integrity check only (the HMAC
+    authenticates), and it runs at tens of GB/s."""
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def key_bytes(key: bytes) -> bytes:
+    k = bytes(key)
+    if not k:
+        raise ValueError("empty HMAC key")
+    return k
+
+
+def seal(version: int, hbytes: bytes, sections: list, key: bytes | None) -> bytes:
+    """The payload: frame head, header, sections (bytes-like chunks, in order), checksum
+    and, with a key, the HMAC (flag bit 0)."""
+    flags = FLAG_HMAC if key is not None else 0
+    # Checksum and HMAC over the parts as they are, then one join: no whole-payload copies.
+    parts = [FRAME_HEAD.pack(MAGIC, version, flags, len(hbytes)), hbytes, *sections]
+    parts.append(checksum(*parts))
+    if key is not None:
+        mac = hmac.new(key_bytes(key), digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        parts.append(mac.digest())
+    return b"".join(parts)
+
+
+def check_trailer(mv: memoryview, end: int, flags: int, key: bytes | None) -> None:
+    """Malformed unless the checksum of bytes [0, end) matches, and, where a key is
+    configured (key_bytes(key)), the HMAC after it. A signed payload with no key to verify
+    it is refused too."""
+    if not hmac.compare_digest(checksum(mv[:end]), mv[end:end + CHECKSUM_BYTES]):
+        raise Malformed("checksum mismatch (XXH3-128): payload corrupt or truncated")
+    signed = bool(flags & FLAG_HMAC)
+    if signed and key is None:
+        raise Malformed("payload carries an HMAC but no key is configured to verify it")
+    if key is not None:
+        if not signed:
+            raise Malformed("HMAC missing: a key is configured but the payload is unsigned")
+        end += CHECKSUM_BYTES
+        mac = hmac.new(key, mv[:end], hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, mv[end:end + HMAC_BYTES]):
+            raise Malformed("HMAC mismatch: payload forged or signed with another key")
+
+
+def bytes_view(data: Any) -> memoryview:
+    try:
+        mv = memoryview(data)
+        return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+    except TypeError as e:
+        raise PayloadRejected(None, f"payload must be contiguous bytes ({e})") from None
+
+
+def parse_frame_head(mv: memoryview, limits: DecodeLimits) -> tuple[int, int, int, int]:
+    """(version, flags, header length, body length) from the frame head and total length."""
+    n = len(mv)
+    if n > limits.max_payload_bytes:
+        raise Malformed(f"payload of {n} bytes exceeds limit max_payload_bytes={limits.max_payload_bytes}")
+    if n >= 4 and bytes(mv[:4]) != MAGIC:
+        raise Malformed(f"bad magic {bytes(mv[:4])!r} (expected {MAGIC!r})")
+    if n < FRAME_HEAD_BYTES:
+        raise Malformed(f"truncated: {n} bytes, shorter than the {FRAME_HEAD_BYTES}-byte frame head")
+    _, version, flags, hlen = FRAME_HEAD.unpack(mv[:FRAME_HEAD_BYTES])
+    if version not in READABLE_VERSIONS:
+        raise Malformed(f"unsupported format version {version} (this decoder reads {readable_versions_text()})")
+    if flags & ~FLAG_HMAC:
+        raise Malformed(f"unknown flag bits 0x{flags & ~FLAG_HMAC:04x}")
+    if hlen > limits.max_header_bytes:
+        raise Malformed(f"header of {hlen} bytes exceeds limit max_header_bytes={limits.max_header_bytes}")
+    trailer = CHECKSUM_BYTES + (HMAC_BYTES if flags & FLAG_HMAC else 0)
+    body_len = n - FRAME_HEAD_BYTES - hlen - trailer
+    if body_len < 0:
+        raise Malformed(f"truncated: {n} bytes cannot hold the {hlen}-byte header and {trailer}-byte trailer")
+    return version, flags, hlen, body_len
+
+
+def sniff(hbytes: bytes) -> tuple[str | None, int | None]:
+    """Best effort (payload_id, body_bytes) for error messages before full validation."""
+    try:
+        h = json.loads(hbytes.decode("utf-8"))
+    except Exception:
+        return None, None
+    if not isinstance(h, dict):
+        return None, None
+    pid = h.get("payload_id")
+    body = h.get("body_bytes")
+    return (pid if isinstance(pid, str) else None,
+            body if type(body) is int and body >= 0 else None)
+
+
+def section_bytes(body: memoryview, sec: Section, where: str,
+                  dctx: zstandard.ZstdDecompressor) -> bytes | memoryview:
+    """The section's exactly sec.raw_length raw bytes, or Malformed. A zstd frame's own claims are not trusted."""
+    if sec.raw_length == 0:
+        return b""
+    frame = body[sec.offset:sec.offset + sec.length]
+    if sec.stored:  # read in place; the header parser checked length == raw_length
+        return frame
+    if bytes(frame[:4]) != _ZSTD_FRAME_MAGIC:
+        raise Malformed(f"{where}: section is not a zstd frame")
+    try:
+        declared = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as e:
+        raise Malformed(f"{where}: bad zstd frame header ({e})") from None
+    if declared != sec.raw_length:
+        # Checked before decompressing: the output buffer is sized from the frame.
+        raise Malformed(f"{where}: zstd frame declares {declared} bytes, header says {sec.raw_length} "
+                        "(possible decompression bomb)")
+    try:
+        out = dctx.decompress(frame, max_output_size=sec.raw_length, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise Malformed(f"{where}: zstd decompression failed ({e})") from None
+    if len(out) != sec.raw_length:
+        raise Malformed(f"{where}: decompressed to {len(out)} bytes, header says {sec.raw_length}")
+    return out
