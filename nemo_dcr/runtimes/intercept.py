@@ -90,8 +90,8 @@ def module_storages(model: torch.nn.Module) -> dict[int, str]:
 
 class _Inverse:
     """Undo step of an applied xor / add record: the record, inverted only if the step is
-    ever used. Negating add values up front cost ~1 ns per change inside the pause, for an
-    undo that rarely runs."""
+    ever used. Negating add values up front cost a pass over every change inside the
+    pause, for an undo that rarely runs."""
 
     __slots__ = ("record",)
 
@@ -131,7 +131,7 @@ def module_fingerprint(model: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
-def _written(func, args, kwargs) -> list[torch.Tensor]:
+def mutated_tensors(func, args, kwargs) -> list[torch.Tensor]:
     """Tensors an aten op mutates, read from its schema (`Tensor(a!)` arguments)."""
     out = []
     for i, arg in enumerate(func._schema.arguments):
@@ -146,7 +146,7 @@ def _written(func, args, kwargs) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class _View:
+class StorageView:
     """Strided geometry of a tensor inside its storage, in elements."""
 
     size: tuple[int, ...]
@@ -154,7 +154,7 @@ class _View:
     offset: int
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> _View:
+    def of(cls, t: torch.Tensor) -> StorageView:
         return cls(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     @property
@@ -188,10 +188,10 @@ class _View:
             expected *= s
         return True
 
-    def deduplicated(self) -> _View:
+    def deduplicated(self) -> StorageView:
         """The same set of elements without broadcast (stride-0) dimensions."""
         keep = [(s, st) for s, st in zip(self.size, self.stride) if st != 0 or s <= 1]
-        return _View(tuple(s for s, _ in keep), tuple(st for _, st in keep), self.offset)
+        return StorageView(tuple(s for s, _ in keep), tuple(st for _, st in keep), self.offset)
 
     def indices(self) -> torch.Tensor:
         """Flat storage indices of every element (explicit; only for odd layouts)."""
@@ -248,9 +248,9 @@ def _held_bits(got: torch.Tensor, expected: torch.Tensor, held: torch.Tensor | N
     return a.reshape(-1)[held], b.reshape(-1)[held]
 
 
-def _mark(marks: torch.Tensor, view: _View, base: int) -> bool:
+def _mark(marks: torch.Tensor, view: StorageView, base: int) -> bool:
     """Set `view`'s elements in `marks` (index = storage element - base); True if any was set."""
-    v = _View(view.size, view.stride, view.offset - base)
+    v = StorageView(view.size, view.stride, view.offset - base)
     if v.distinct():
         region = marks.as_strided(v.size, v.stride, v.offset)
         hit = bool(region.any())
@@ -267,14 +267,14 @@ class _Copy:
     """One intercepted `dst.copy_(src)`: canonical elements `src` land on `dst`."""
 
     dst: torch.Tensor
-    src: _View  # in scratch (canonical, contiguous) elements, broadcast to dst's shape
-    dst_view: _View
+    src: StorageView  # in scratch (canonical, contiguous) elements, broadcast to dst's shape
+    dst_view: StorageView
     dst_key: int
     where: str  # destination name, for messages
 
     @classmethod
-    def into(cls, dst: torch.Tensor, src: _View, where: str) -> _Copy:
-        return cls(dst, src, _View.of(dst), storage_key(dst), where)
+    def into(cls, dst: torch.Tensor, src: StorageView, where: str) -> _Copy:
+        return cls(dst, src, StorageView.of(dst), storage_key(dst), where)
 
 
 @dataclass
@@ -294,7 +294,7 @@ class _Plan:
 
 
 @dataclass
-class _Restore:
+class RestoreBits:
     """Raw old bits of regions written by a dense overwrite, restored verbatim."""
 
     items: list[tuple[torch.Tensor, torch.Tensor]]
@@ -319,7 +319,7 @@ class _Interceptor(TorchDispatchMode):
         kwargs = kwargs or {}
         # A write of zero elements changes nothing (vLLM's embedding loader fills the
         # empty padding slice `param[n:]` with zeros): run it, it cannot matter.
-        written = [t for t in _written(func, args, kwargs) if t.numel() > 0]
+        written = [t for t in mutated_tensors(func, args, kwargs) if t.numel() > 0]
         for t in written:
             name = self.scratch.get(storage_key(t))
             if name is not None:
@@ -434,8 +434,8 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     # -- validation and planning (writes nothing) ----------------------------------
     @contextlib.contextmanager
     def batch(self):
-        # The refresh and the layout (a walk over every module: ~2 ms on a 1B model, and a
-        # receiver applies one payload per call, 16-27 a refit end to end), once a batch.
+        # The refresh and the layout (a walk over every module, and a receiver applies one
+        # payload per call, 16-27 a refit end to end), once a batch.
         self._refresh()
         self._batch_layout = self._layout()
         try:
@@ -507,7 +507,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
 
         Plans are kept while the model's storage and loaders are the same (`_layout`, per
         scratch device): a loader's copy geometry is fixed for a model, and rerunning it on every
-        apply cost ~10 ms per payload, most of a refit's pause. Overlap checks run over
+        apply cost most of a refit's pause. Overlap checks run over
         every plan kept, so two tensors writing one region are caught even when they
         arrive in different payloads."""
         if not names:
@@ -576,13 +576,13 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                 plan = plans[names[0]]
                 plan.irregular = (f"the loader copies a transformed value (not a view of {plan.name}) "
                                   f"into {where}")
-                plan.copies.append(_Copy.into(dst, _View((), (), 0), where))
+                plan.copies.append(_Copy.into(dst, StorageView((), (), 0), where))
                 continue
             plan = plans[name]
             if src.dtype != scratch[name].dtype or dst.dtype != src.dtype:
                 plan.irregular = f"the loader casts {src.dtype} into {where} ({dst.dtype})"
             try:
-                geometry = _View.of(src.expand(dst.shape))
+                geometry = StorageView.of(src.expand(dst.shape))
             except RuntimeError:
                 raise ApplyError(f"{name}: shape {tuple(src.shape)} cannot be copied into "
                                  f"{where} {tuple(dst.shape)}") from None
@@ -634,7 +634,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise ApplyError(f"{plan.name}: {_NEVER_WROTE}")
         if plan.irregular:
             return
-        full = _View.of(torch.empty(plan.shape, device="meta"))  # contiguous geometry
+        full = StorageView.of(torch.empty(plan.shape, device="meta"))  # contiguous geometry
         first = plan.copies[0]
         plan.identity = (
             len(plan.copies) == 1
@@ -817,7 +817,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             old = bits[torch.unravel_index(pos, plan.shape)]
         return old.cpu().numpy().view(plan.dtype.bits_numpy).copy()
 
-    def _dense_overwrite(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None) -> _Restore:
+    def _dense_overwrite(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None) -> RestoreBits:
         """Overwrite through a loader that transforms/casts/overlaps: dense, then verified."""
         current = self._current(record, plan, "to overwrite it densely")
         target = current.clone(memory_format=torch.contiguous_format)
@@ -830,7 +830,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         mode = self._intercepted_load({record.name: target})
         if not mode.copies:
             raise ApplyError(f"{record.name}: {_NEVER_WROTE}")
-        restore = _Restore([])
+        restore = RestoreBits([])
         try:
             for dst, src in mode.copies:  # replay in the loader's order, as a dense load would
                 restore.items.append((dst, dtypes.bits_of(dst.detach()).clone()))
@@ -857,7 +857,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         if plans is None:
             plans = self._plan({s.name for s in steps if isinstance(s, (Record, _Inverse)) and len(s)})
         for step in reversed(steps):
-            if isinstance(step, _Restore):
+            if isinstance(step, RestoreBits):
                 step.restore()
             elif len(step):
                 self._execute(_undo_record(step), plans[step.name])
