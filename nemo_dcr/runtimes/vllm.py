@@ -45,8 +45,9 @@ from nemo_dcr.records import Record
 from nemo_dcr.runtimes.base import Catalog, UndoLog
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_dcr.runtimes.intercept import (NativeLoaderAdapter, RestoreBits, StorageView, module_fingerprint,
-                                         module_storages, mutated_tensors, storage_key)
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, RestoreBits
+from nemo_dcr.runtimes.loader_trace import (StorageView, module_fingerprint, module_storages, mutated_tensors,
+                                            storage_key)
 
 _log = logging.getLogger("nemo_dcr.vllm")
 
