@@ -46,6 +46,20 @@ HF_ATTN = "model.layers.{L}.self_attn"
 
 class LlamaConverter(TableConverter):
     family = "llama"
+    demo_model_types = ("llama", "qwen3")
+
+    @classmethod
+    def demo_config(cls, model_type, *, hidden, layers, heads, kv_heads, ffn, vocab, tied, experts, **fields):
+        """The Llama-shaped fields every family of this table shares; subclasses add
+        theirs as `fields` (e.g. experts)."""
+        if model_type not in cls.demo_model_types:
+            return None
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                                    vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=1024,
+                                    rope_theta=10000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16", **fields)
 
     def __init__(self, hf_config, *, qkv_as_residual: bool = False, zero_centered_norms: bool = False,
                  fp8: bool = False, fp8_block=None):

@@ -14,15 +14,22 @@ expert-TP group, and the router is replicated (TP rank 0 owns it).
 from __future__ import annotations
 
 from nemo_dcr.converters.llama import LlamaConverter
-from nemo_dcr.converters.qwen3_moe import EXPERT, ExpertTP
+from nemo_dcr.converters.qwen3_moe import EXPERT
 
-from nemo_dcr.converter import GatedColumn, Replicated, RowParallel, Rule
+from nemo_dcr.converter import ExpertTP, GatedColumn, Replicated, RowParallel, Rule
 
 HF_MOE = "model.layers.{L}.block_sparse_moe"
 
 
 class MixtralConverter(LlamaConverter):
     family = "mixtral"
+    demo_model_types = ("mixtral",)
+
+    @classmethod
+    def demo_config(cls, model_type, *, experts, **sizes):
+        """Top-2 routing over `experts` experts, each as wide as the dense MLP would be."""
+        return super().demo_config(model_type, experts=experts, num_local_experts=experts, num_experts_per_tok=2,
+                                   **sizes)
 
     @property
     def num_experts(self) -> int:

@@ -15,6 +15,7 @@ from nemo_dcr.converters.llama import LlamaConverter
 
 class Qwen2Converter(LlamaConverter):
     family = "qwen2"
+    demo_model_types = ("qwen2",)
 
     def rules(self):
         # Qwen2 has no QK-norm: without these rules a model built with one fails at plan().

@@ -17,44 +17,24 @@ ranks are data-parallel replicas of every dense parameter): TP rank 0 owns it.
 
 from __future__ import annotations
 
-import dataclasses
-
 from nemo_dcr.converters.llama import LlamaConverter
 
-from nemo_dcr.converter import (
-    Context,
-    GatedColumn,
-    Mapping,
-    Replicated,
-    RowParallel,
-    Rule,
-)
+from nemo_dcr.converter import ExpertTP, GatedColumn, Replicated, RowParallel, Rule
 
 EXPERT = "decoder.layers.{L}.mlp.experts.local_experts.{E}"
 GROUPED = "decoder.layers.{L}.mlp.experts"  # grouped GEMM: weight<e> per EP-local expert e
 HF_EXPERT = "model.layers.{L}.mlp.experts.{E}"
 
 
-class ExpertTP(Mapping):
-    """`inner` applied with the expert-tensor-parallel coordinates as its TP coordinates."""
-
-    def __init__(self, inner: Mapping):
-        self.inner, self.n_targets, self.dropped_reason = inner, inner.n_targets, inner.dropped_reason
-
-    @staticmethod
-    def _expert_ctx(ctx: Context) -> Context:
-        lay = dataclasses.replace(ctx.layout, tp_size=ctx.layout.etp_size, tp_rank=ctx.layout.etp_rank)
-        return dataclasses.replace(ctx, layout=lay)
-
-    def pieces(self, ctx):
-        return self.inner.pieces(self._expert_ctx(ctx))
-
-    def load_pieces(self, ctx):
-        return self.inner.load_pieces(self._expert_ctx(ctx))
-
-
 class Qwen3MoeConverter(LlamaConverter):
     family = "qwen3_moe"
+    demo_model_types = ("qwen3_moe",)
+
+    @classmethod
+    def demo_config(cls, model_type, *, experts, ffn, **sizes):
+        """Top-2 routing over `experts` experts, each ffn/4 wide."""
+        return super().demo_config(model_type, experts=experts, ffn=ffn, num_experts=experts, num_experts_per_tok=2,
+                                   moe_intermediate_size=ffn // 4, **sizes)
 
     @property
     def num_experts(self) -> int:

@@ -181,7 +181,7 @@ def main(argv=None) -> int:
             break
         train_s -= res.seconds
         t = time.perf_counter()
-        dense = reference_export(model, hf_config)
+        dense = reference_export(model, hf_config, family=args.family)
         expected = state_digests(dense) if rank == 0 else None
         mismatches = refit.verify(expected)
         verify_s = time.perf_counter() - t

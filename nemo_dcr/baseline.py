@@ -10,7 +10,8 @@ memory-mapped files; `seal()` writes a manifest (version, fingerprint, ranges);
 `persist_pending()` writes the transfer's changes to a journal *before* the coordinator
 may write the commit record; `commit()` scatters them in, then syncs the range files,
 advances the manifest and drops the journal - in the background, off the refit's
-critical path (scattering 3% of a 1 GB file-backed range and syncing it took ~0.8 s);
+critical path (scattering 3% of a 1 GB file-backed range and syncing it is a large share
+of a refit's time);
 until then the journal is what makes the version durable, and readers wait
 (`wait_committed`). A restarted trainer opens the directory with the version the commit
 log names: a journal for that version is replayed (the crash fell between the commit

@@ -15,6 +15,7 @@ parameter matched exactly once, shapes and dtypes consistent) and by
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -144,23 +145,41 @@ class FusedQKV(Mapping):
     n_targets = 3
 
     def pieces(self, ctx):
-        q, k, v = ctx.targets
-        per_group, groups_local, d, cols = _qkv_geometry(ctx)
-        out, block = [], (per_group + 2) * d * cols
-        for g in range(groups_local):
-            gg = ctx.layout.tp_rank * groups_local + g
-            start = g * block
-            out.append(Piece(q, start, 1, per_group * d * cols, gg * per_group * d * cols, 0))
-            start += per_group * d * cols
-            out.append(Piece(k, start, 1, d * cols, gg * d * cols, 0))
-            out.append(Piece(v, start + d * cols, 1, d * cols, gg * d * cols, 0))
-        return out
+        return _qkv_pieces(ctx, ctx.targets, (0, 0, 0), qkv_geometry(ctx))
 
 
-def _qkv_geometry(ctx: Context) -> tuple[int, int, int, int]:
+class PackedQKV(Mapping):
+    """Megatron's `linear_qkv` into one packed canonical tensor [q; k; v] (Phi-3's
+    `qkv_proj`, vLLM's packed layout): q rows first, then k, then v, each in head order.
+
+    One target. Works for weights and biases."""
+
+    def pieces(self, ctx):
+        (t,) = ctx.targets
+        geometry = qkv_geometry(ctx, packed=True)
+        _, _, d, cols = geometry
+        q_rows, kv_rows = ctx.dims.num_heads * d, ctx.dims.num_query_groups * d
+        return _qkv_pieces(ctx, (t, t, t), (0, q_rows * cols, (q_rows + kv_rows) * cols), geometry)
+
+
+def _qkv_pieces(ctx: Context, targets, bases, geometry) -> list[Piece]:
+    """Three pieces per local query group: its q heads, k and v, each landing in
+    `targets[i]` at `bases[i]` plus the global group's offset within that part."""
+    per_group, groups_local, d, cols = geometry
+    widths = (per_group * d * cols, d * cols, d * cols)  # elements of q, k, v per query group
+    out, start = [], 0
+    for g in range(groups_local):
+        gg = ctx.layout.tp_rank * groups_local + g  # global query group
+        for name, base, n in zip(targets, bases, widths):
+            out.append(Piece(name, start, 1, n, base + gg * n, 0))
+            start += n
+    return out
+
+
+def qkv_geometry(ctx: Context, *, packed: bool = False) -> tuple[int, int, int, int]:
     """(query heads per group, local query groups, head dim, columns) of a fused
-    `linear_qkv` shard, checked against the canonical q/k/v shapes."""
-    q, k, v = ctx.targets
+    `linear_qkv` shard, checked against the canonical targets: (q, k, v), or one
+    tensor [q; k; v] when `packed`. Columns: the hidden size of a weight, 1 for a bias."""
     d, heads, groups = ctx.dims.head_dim, ctx.dims.num_heads, ctx.dims.num_query_groups
     tp = ctx.layout.tp_size
     if heads % groups or groups % tp:
@@ -171,9 +190,10 @@ def _qkv_geometry(ctx: Context) -> tuple[int, int, int, int]:
     groups_local = groups // tp
     if local[0] != groups_local * (per_group + 2) * d:
         raise ctx.fail(f"expected {groups_local * (per_group + 2) * d} rows for {groups_local} local query groups")
-    for name, rows in ((q, heads * d), (k, groups * d), (v, groups * d)):
-        if _numel(ctx.shape(name)) != rows * cols:
-            raise ctx.fail(f"canonical {name} has shape {ctx.shape(name)}, expected {rows} rows of {cols}")
+    rows = ((heads + 2 * groups) * d,) if packed else (heads * d, groups * d, groups * d)
+    for name, n in zip(ctx.targets, rows):
+        if _numel(ctx.shape(name)) != n * cols:
+            raise ctx.fail(f"canonical {name} has shape {ctx.shape(name)}, expected {n} rows of {cols}")
     return per_group, groups_local, d, cols
 
 
@@ -184,16 +204,52 @@ class GatedColumn(Mapping):
 
     def pieces(self, ctx):
         gate, up = ctx.targets
-        local, tp = tuple(ctx.param.local_shape), ctx.layout.tp_size
-        if local[0] % 2:
-            raise ctx.fail("fused gate/up shard has an odd number of rows")
-        half = (local[0] // 2,) + local[1:]
-        for name in (gate, up):
-            if ctx.shape(name) != (half[0] * tp,) + half[1:]:
-                raise ctx.fail(f"canonical {name} {ctx.shape(name)} is not {tp} x {half}")
-        n = _numel(half)
+        n = gated_half(ctx)
         off = ctx.layout.tp_rank * n
         return [Piece(gate, 0, 1, n, off, 0), Piece(up, n, 1, n, off, 0)]
+
+
+class PackedGateUp(Mapping):
+    """Megatron's gated `linear_fc1` into one packed canonical tensor [gate; up]
+    (Phi-3's `gate_up_proj`): rank r's gate_r and up_r land in the gate and up halves."""
+
+    def pieces(self, ctx):
+        (t,) = ctx.targets
+        n = gated_half(ctx, packed=True)
+        off = ctx.layout.tp_rank * n
+        return [Piece(t, 0, 1, n, off, 0), Piece(t, n, 1, n, n * ctx.layout.tp_size + off, 0)]
+
+
+def gated_half(ctx: Context, *, packed: bool = False) -> int:
+    """Elements in one half (gate_r or up_r) of a gated `linear_fc1` shard, checked
+    against the canonical targets: (gate, up), or one tensor [gate; up] when `packed`."""
+    local, tp = tuple(ctx.param.local_shape), ctx.layout.tp_size
+    if local[0] % 2:
+        raise ctx.fail("fused gate/up shard has an odd number of rows")
+    half, blocks = (local[0] // 2,) + local[1:], tp * (2 if packed else 1)
+    for name in ctx.targets:
+        if ctx.shape(name) != (half[0] * blocks,) + half[1:]:
+            raise ctx.fail(f"canonical {name} {ctx.shape(name)} is not {blocks} x {half}")
+    return _numel(half)
+
+
+class ExpertTP(Mapping):
+    """`inner` applied with the expert-tensor-parallel coordinates (`ParallelLayout.etp_*`)
+    as its TP coordinates: MoE expert weights split over the expert-TP group."""
+
+    def __init__(self, inner: Mapping):
+        self.inner, self.n_targets, self.dropped_reason = inner, inner.n_targets, inner.dropped_reason
+
+    @staticmethod
+    def _expert_ctx(ctx: Context) -> Context:
+        lay = dataclasses.replace(ctx.layout, tp_size=ctx.layout.etp_size, tp_rank=ctx.layout.etp_rank)
+        return dataclasses.replace(ctx, layout=lay)
+
+    def pieces(self, ctx):
+        return self.inner.pieces(self._expert_ctx(ctx))
+
+    def load_pieces(self, ctx):
+        return self.inner.load_pieces(self._expert_ctx(ctx))
 
 
 class Tied(Mapping):
@@ -310,7 +366,7 @@ class ResidualQKV(Residual):
     kind = "fused QKV (residual)"
 
     def outputs(self, ctx, loading):
-        per_group, groups_local, d, cols = _qkv_geometry(ctx)
+        per_group, groups_local, d, cols = qkv_geometry(ctx)
         outs = []
         for name, rows in zip(ctx.targets, (per_group * d, d, d)):
             n = groups_local * rows * cols
@@ -320,12 +376,12 @@ class ResidualQKV(Residual):
         return outs
 
     def forward(self, local, ctx):
-        per_group, groups_local, _, _ = _qkv_geometry(ctx)
+        per_group, groups_local, _, _ = qkv_geometry(ctx)
         x = local.reshape(groups_local, per_group + 2, -1)
         return [x[:, :per_group], x[:, per_group], x[:, per_group + 1]]
 
     def inverse(self, outputs, ctx):
-        per_group, groups_local, _, _ = _qkv_geometry(ctx)
+        per_group, groups_local, _, _ = qkv_geometry(ctx)
         q, k, v = (t.reshape(groups_local, n, -1) for t, n in zip(outputs, (per_group, 1, 1)))
         return torch.cat([q, k, v], dim=1).reshape(tuple(ctx.param.local_shape))
 
@@ -417,9 +473,24 @@ class Converter(ABC):
     """Places one model family's local parameters in canonical coordinates."""
 
     family = "base"
+    # Registry names (= Hugging Face model types) this converter can build a small demo
+    # model of, for `nemo-dcr demo` and `make_checkpoint` (see demo_config).
+    demo_model_types: tuple[str, ...] = ()
 
     def __init__(self, hf_config):
         self.hf_config = hf_config
+
+    @classmethod
+    def demo_config(cls, model_type: str, *, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+                    vocab: int, tied: bool, experts: int):
+        """A small transformers config of `model_type` (one of `demo_model_types`) with these
+        sizes, for the demo; `experts` is for MoE families. None: this converter has no demo."""
+        return None
+
+    def has_rule(self, name: str) -> bool:
+        """Whether this converter maps the trainer parameter `name` (how
+        `registry.converter_for` tells which converter a model's names call for)."""
+        return False
 
     @abstractmethod
     def plan(
@@ -486,6 +557,13 @@ class TableConverter(Converter):
                 t = t.replace("{" + k + "}", v)
             targets.append(t)
         return rule, tuple(targets)
+
+    def has_rule(self, name):
+        try:
+            self.match(name, ParallelLayout())  # EP 1: every EP-local expert index is in range
+        except ConverterError:
+            return False
+        return True
 
     def plan(self, params, layout, specs, *, loading=False):
         dims, maps = self.dims(), {}
@@ -620,7 +698,8 @@ def _covered(intervals: list, numel: int) -> int:
 
 __all__ = [
     "Converter", "TableConverter", "Rule", "Dims", "Context", "Mapping", "Replicated", "ColumnParallel", "RowParallel",
-    "VocabParallel", "FusedQKV", "GatedColumn", "Tied", "Residual", "ResidualQKV", "ValueTransform",
+    "VocabParallel", "FusedQKV", "PackedQKV", "GatedColumn", "PackedGateUp", "ExpertTP", "qkv_geometry",
+    "gated_half", "Tied", "Residual", "ResidualQKV", "ValueTransform",
     "ZeroCenteredNorm", "add_one", "subtract_one", "plan_param", "coverage_runs", "merge_runs",
     "check_exact_cover", "owned_intervals", "coverage_report", "CoverageReport",
 ]

@@ -9,9 +9,9 @@ the values the records carry (xor, add or the committed bits) into preallocated
 buffers, keeping only the changed elements (with a `DiffOutput`, the chunks of one range
 end to end in the same buffers). 16-bit inputs (BF16, F16) on an AVX-512 host
 take `kernels.diff.diff16`: 128 elements per block, four 512-bit compares, and compress-stores
-for the blocks that differ - no branch per element, at 6-8 GB/s of BF16 on one core of
-the reference machine for 0-0.1% changes and about 5 GB/s at 1-5% (a memory-bound
-two-input scan runs at about 8.5). Other hosts take `kernels.diff.diff16_bitscan`: the same
+for the blocks that differ - no branch per element, close to the speed of a memory-bound
+two-input scan at 0-0.1% changes and somewhat below it at 1-5%, where the compresses and
+stores come on top of the reads. Other hosts take `kernels.diff.diff16_bitscan`: the same
 compares, and each block's masks walked bit by bit (one element's writes per change).
 Other widths take `kernels.diff.diff_words` (int64 words, 32 per block, an OR skips clean
 blocks) plus one vectorised pass per value array. Without numba, the numpy path

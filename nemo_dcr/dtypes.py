@@ -29,7 +29,7 @@ class DType:
         return _TORCH_INT_OF_WIDTH[self.itemsize]
 
 
-_NUMPY_UINT_OF_WIDTH = {w: np.dtype(f"<u{w}") for w in (1, 2, 4, 8)}  # made once: a dtype from a string costs ~1 us
+_NUMPY_UINT_OF_WIDTH = {w: np.dtype(f"<u{w}") for w in (1, 2, 4, 8)}  # made once: np.dtype parses its string
 _TORCH_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _ALL = [

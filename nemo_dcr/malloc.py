@@ -4,8 +4,8 @@ A receiver stages a whole transfer (decoded positions and values, ~10 bytes per 
 and frees it after the commit. glibc's malloc returns most of that to the OS (large
 blocks are unmapped, the heap's free top is trimmed), so the next refit touches the
 same amount of fresh memory again: one page fault per 4 KiB, which on a VM costs about
-as much as the copy into it. Measured here: staging 600 MB and freeing it took 250 ms a
-round, 120 ms with the memory kept (docs/design-notes.md, "Producer memory").
+as much as the copy into it. Measured: staging a few hundred MB and freeing it took about
+twice as long a round as with the memory kept (docs/design-notes.md, "Producer memory").
 
 `keep_freed_memory()` fixes glibc's mmap threshold at 32 MiB (blocks below it come from
 the heap, whose free memory is reused) and raises the trim threshold to 2 GiB (the heap

@@ -188,7 +188,7 @@ class AffineMap:
             found = torch.searchsorted(local, torch.from_numpy(keys).to(local.device)).cpu().numpy()
         else:
             if local.dtype == np.int32:  # else np.searchsorted would first copy `local` to int64
-                # a few keys: clamped in Python (np.clip costs ~6 us a call, one per chunk)
+                # a few keys: clamped in Python (cheaper than np.clip's call, one per chunk)
                 keys = np.array([min(max(k, _INT32.min), _INT32.max) for k in keys.tolist()], np.int32)
             found = np.searchsorted(local, keys, side="left")  # every piece's [lo, hi) in one call
         for i, p in enumerate(self.pieces):

@@ -19,7 +19,7 @@ class Op(str, Enum):
 
 # What a producer is asked for by default: per canonical tensor and payload, xor or add,
 # whichever codes smaller (sender.Producer; every record it writes is still xor or add).
-# ±1-ULP steps and AdamW deltas code 7-13% smaller as add (BENCHMARKS.md), at no
+# ±1-ULP steps and AdamW deltas code 7-13% smaller as add (benchmarks/results/history.md), at no
 # measurable cost; xor stays a choice for data it suits.
 AUTO = "auto"
 

@@ -190,7 +190,8 @@ def _cat(arrays: list[np.ndarray]) -> np.ndarray:
 
 
 # op "auto" decides xor vs add on about this many values per record, evenly spread: the
-# choice only affects the size, and two full histograms cost ~1.5 ns per change each. On
+# choice only affects the size, and two full histograms were a noticeable share of a
+# change's coding. On
 # real AdamW deltas (benchmarks/codec.py's model, three learning rates) samples of 2**11
 # to 2**14 values chose as the full histograms did for every tensor.
 _CHOICE_SAMPLE = 1 << 12

@@ -1,8 +1,8 @@
 """End-state checks: compare receivers' stored bits with a dense canonical export.
 
 Digests are XXH3-128 (the wire format's checksum): both sides compute them with this
-module, they guard against bugs and corruption, not forgery, and BLAKE2b ran at ~0.5 GB/s
-here (4-5 s per side to verify a 1B-parameter BF16 model; XXH3 runs at memory speed)."""
+module, they guard against bugs and corruption, not forgery, and BLAKE2b made verifying a
+whole model take far longer than the refit (XXH3 runs at memory speed)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.runtimes.hf import HFRuntime
-from nemo_dcr.runtimes.intercept import _Restore
+from nemo_dcr.runtimes.intercept import RestoreBits
 from nemo_dcr.runtimes.scatter import ScatterPool
 from tests.support.records import records_for as records_for_catalog
 
@@ -431,7 +431,7 @@ def test_transforming_loader_fails_closed_for_deltas(checkpoints, transform):
         assert_bits(rt, old)
     # overwrite falls back to a dense load through the loader, verified bit for bit
     log = rt.apply(records_for(rt, old, new, Op.OVERWRITE))
-    assert any(isinstance(s, _Restore) for s in log.steps)  # the dense load's undo
+    assert any(isinstance(s, RestoreBits) for s in log.steps)  # the dense load's undo
     assert_bits(rt, new)
     rt.revert(log)
     assert_bits(rt, old)
@@ -645,7 +645,7 @@ def test_custom_loaders_property(toy, data, op):
         new[name][pos] = np.array(vals, dtype=new[name].dtype)
     log = rt.apply(records_for(rt, old, new, op))
     assert_bits(rt, new)
-    assert not any(isinstance(s, _Restore) for s in log.steps)  # exact path, no dense fallback
+    assert not any(isinstance(s, RestoreBits) for s in log.steps)  # exact path, no dense fallback
     rt.revert(log)
     assert_bits(rt, old)
 

@@ -20,12 +20,6 @@ those of stage 1 through the affine table (masked overwrite of the shard's block
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
@@ -37,8 +31,9 @@ from nemo_dcr.checkpoint import CheckpointReader, read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.layout import ParallelLayout
 from nemo_dcr.records import Op, Record
-from nemo_dcr.verify import bit_mismatches, state_digests
-from tests.support.launch import REPO, TORCHRUN_TIMEOUT_S, free_port, torchrun, worker_env
+from nemo_dcr.verify import bit_mismatches
+from tests.support.launch import TORCHRUN_TIMEOUT_S
+from tests.support.megatron_jobs import check_exports, trainer_refits_inference
 from tests.support.records import records_for
 
 pytestmark = pytest.mark.usefixtures("single_rank_group")
@@ -259,67 +254,19 @@ def test_subset_receiver_skips_tensors_it_does_not_hold(checkpoint, tmp_path):
 
 # -- multirank: a Megatron trainer refits a Megatron-inference job --------------------------
 
-TRAINER = REPO / "tests" / "workers" / "megatron_trainer_refit.py"
-INFERENCE = REPO / "tests" / "workers" / "megatron_receiver.py"
-
-
 @pytest.mark.multirank
 @pytest.mark.timeout(TORCHRUN_TIMEOUT_S + 90)
 def test_megatron_trainer_refits_a_megatron_inference_job_with_another_layout(tmp_path):
-    from safetensors.torch import load_file
-
     from nemo_dcr.cli import make_checkpoint
-    from nemo_dcr.runtimes.megatron.receiver import compare_slice_digests, held_coverage
 
-    steps, inf_tp, inf_pp = 3, 2, 2
+    steps = 3
     ckpt = make_checkpoint(tmp_path / "ckpt", family="qwen3", hidden=64, layers=2, heads=4, kv_heads=2, ffn=128,
                            vocab=VOCAB, tied=True, seed=5)
-    out = tmp_path / "out"
-    out.mkdir()
-    receivers = [f"mx{r}" for r in range(inf_tp * inf_pp)]
-    transport_config = json.dumps({"dir": str(tmp_path / "shm"), "timeout_s": 120})
-    inference = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(receivers)),
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(INFERENCE),
-         "--checkpoint", str(ckpt), "--tp", str(inf_tp), "--pp", str(inf_pp), "--transport-config", transport_config,
-         "--out", str(out), "--qkv-residual-stages", "0"],
-        cwd=REPO, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    inf_out: list[str] = []
-    reader = threading.Thread(target=lambda: inf_out.extend(inference.stdout), daemon=True)
-    reader.start()
-    try:
-        t = time.perf_counter()
-        trainer_out = torchrun(2, TRAINER, "--checkpoint", str(ckpt), "--tp", "2", "--steps", str(steps),
-                               "--receivers", ",".join(receivers), "--transport-config", transport_config,
-                               "--state-dir", str(tmp_path / "state"), "--out", str(out), "--qkv-residual",
-                               ok_marker="[megatron_trainer] OK")
-        inference.wait(timeout=90)
-        reader.join(10)
-        rx_log = "".join(inf_out)
-        assert inference.returncode == 0 and "[megatron_receiver] OK" in rx_log, rx_log[-5000:]
-        print(f"trainer + inference jobs: {time.perf_counter() - t:.1f} s")
-    finally:
-        if inference.poll() is None:
-            os.killpg(inference.pid, signal.SIGKILL)
-            inference.wait()
+    t = time.perf_counter()
+    trainer_out, rx_log, receivers = trainer_refits_inference(
+        tmp_path, ckpt, trainer_ranks=2, trainer_args=["--tp", "2", "--steps", str(steps), "--qkv-residual"],
+        inference_tp=2, inference_pp=2, inference_args=["--qkv-residual-stages", "0"])
+    print(f"trainer + inference jobs: {time.perf_counter() - t:.1f} s")
     assert trainer_out.count("whole-held digests match") == steps, trainer_out[-3000:]
     assert rx_log.count("fused QKV residual") == 2 and rx_log.count("fused QKV affine") == 2, rx_log[-3000:]
-    specs = read_specs(ckpt)
-    for version in range(steps + 1):
-        trainer = json.loads((out / f"trainer-v{version}.json").read_text())
-        if version == 0:
-            assert trainer == state_digests(CheckpointReader(ckpt).state_dict())
-        inferred = json.loads((out / f"inference-v{version}.json").read_text())
-        assert inferred == trainer, f"v{version}: {sorted(n for n in trainer if inferred.get(n) != trainer[n])}"
-        dense = load_file(out / f"trainer-v{version}.safetensors")
-        keys = []
-        for rx in receivers:
-            slices = json.loads((out / f"slices-{rx}-v{version}.json").read_text())
-            assert compare_slice_digests(dense, slices) == [], (version, rx)
-            keys += list(slices)
-        assert held_coverage(specs, keys) == {}  # the inference ranks together hold every element
-        if version:  # the step changed something
-            before = json.loads((out / f"trainer-v{version - 1}.json").read_text())
-            assert before != trainer
-    assert not (tmp_path / "shm" / "data").exists() or not any((tmp_path / "shm" / "data").iterdir())
+    check_exports(tmp_path, ckpt, receivers, steps)

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from nemo_dcr.cli import main
-from nemo_dcr.projection import Cluster, Costs, measure_costs, project
+from nemo_dcr.projection import (GOAL_1T_3PCT_S, PAPER_DENSE_1T_S, Cluster, Costs, measure_costs, project,
+                                  wire_bytes_per_change_for)
 
 COSTS = Costs(change_rate=0.03, wire_bytes_per_change=1.2, scan_gbps_per_core=0.2,
               apply_gbps_per_core=0.02, memcpy_gbps_per_core=2.0, elements=1 << 20)
@@ -25,7 +26,7 @@ def test_measured_costs_come_from_a_bit_exact_round_trip():
 
 def test_each_stage_follows_its_resource():
     base = project(Cluster(), COSTS)
-    faster_links = project(dataclasses.replace(Cluster(), cross_gbps=10.0), COSTS)
+    faster_links = project(dataclasses.replace(Cluster(), cross_gbps=2 * Cluster().cross_gbps), COSTS)
     assert faster_links.stages_s["cross-region transfer"] == pytest.approx(base.stages_s["cross-region transfer"] / 2)
     assert faster_links.stages_s["scan (diff + encode)"] == base.stages_s["scan (diff + encode)"]
     more_changes = project(dataclasses.replace(Cluster(), change_rate=0.06), COSTS)
@@ -46,7 +47,8 @@ def test_cli_prints_assumptions_and_the_paper_number(tmp_path, capsys):
     out_json = tmp_path / "p.json"
     assert main(["project", "--elements", str(1 << 16), "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
-    assert "assumptions:" in out and "the paper: 150 s" in out and "5 Gbit/s per node" in out
+    assert "assumptions:" in out and "the paper: 150 s" in out and "the paper's links" in out
+    assert "1T dense 87.5 min (the paper: 87.5 min)" in out and "goal 75 s" in out
     data = json.loads(out_json.read_text())
     assert data["cluster"]["producer_gpus"] == 32 and data["cluster"]["receiver_gpus"] == 64
     assert data["total_s"] > 0 and set(data["stages_s"]) == set(project(Cluster(), COSTS).stages_s)
@@ -60,3 +62,18 @@ def test_cli_prints_assumptions_and_the_paper_number(tmp_path, capsys):
 def test_bad_cluster_descriptions_are_named(flag, value, message):
     with pytest.raises(SystemExit, match=message):
         main(["project", flag, value, "--elements", "1024"])
+
+
+def test_the_dense_reference_crosses_the_papers_links():
+    """By default the links are the paper's: its 1T dense reference is reproduced, and the
+    delta crosses the same links (like for like)."""
+    base = project(Cluster(), COSTS)
+    assert base.dense_s == pytest.approx(PAPER_DENSE_1T_S)
+    assert base.stages_s["cross-region transfer"] == pytest.approx(base.dense_s * base.wire_bytes / base.dense_bytes)
+
+
+def test_the_goals_wire_budget_inverts_the_transfer():
+    base = project(Cluster(), COSTS)
+    need = wire_bytes_per_change_for(base, GOAL_1T_3PCT_S)
+    at_budget = project(Cluster(), dataclasses.replace(COSTS, wire_bytes_per_change=need))
+    assert at_budget.stages_s["cross-region transfer"] + at_budget.overhead_s == pytest.approx(GOAL_1T_3PCT_S)

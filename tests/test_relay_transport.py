@@ -82,7 +82,7 @@ def test_tree_topology_timeouts_and_configuration():
 
 def test_registry_finds_the_relay_transport():
     if "relay" not in registry.available("nemo_dcr.transports"):
-        pytest.skip("relay is not registered yet (entry point / registry._FALLBACK)")
+        pytest.skip("relay is not registered (its entry point: pip install -e .)")
     t = registry.transport("relay", {"nodes": [{"id": "rx0", "endpoint": "tcp://127.0.0.1:1"}]})
     assert isinstance(t, RelayTransport) and t.receivers == ["rx0"]
 

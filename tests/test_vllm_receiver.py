@@ -2,7 +2,7 @@
 
 vLLM lives in its own virtualenv (`bash tests/support/vllm_env.sh` creates
 `.venv-vllm`); each vLLM `LLM` runs in a subprocess of that venv's python
-(`tests/workers/vllm_worker.py`) with `nemo_dcr.runtimes.vllm.DCRWorkerExtension`
+(`tests/workers/vllm_worker.py`) with `nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension`
 (plus test hooks) as its worker extension. The producer side (an HF model as the
 "trainer", identity placement, TrainerRefit) runs in this process.
 
@@ -118,7 +118,7 @@ def workers(versions):
     root = versions["root"]
     t = time.perf_counter()
     rx = VLLMWorker(root / "v0", root / "rx.log", "tests.workers.vllm_test_extension.DCRTestExtension")
-    fresh = VLLMWorker(versions["export"], root / "fresh.log", "nemo_dcr.runtimes.vllm.DCRWorkerExtension")
+    fresh = VLLMWorker(versions["export"], root / "fresh.log", "nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension")
     try:
         for w in (rx, fresh):
             w.ready = w.read("start-up")
@@ -268,7 +268,7 @@ def test_engine_on_dummy_weights_is_caught_and_resynced(versions, workers, tmp_p
     greedy tokens of a fresh load of the same version."""
     _, fresh = workers
     root, shapes, v = versions["root"], versions["shapes"], versions["bits"]
-    rx = VLLMWorker(root / "v0", root / "dummy.log", "nemo_dcr.runtimes.vllm.DCRWorkerExtension",
+    rx = VLLMWorker(root / "v0", root / "dummy.log", "nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension",
                     load_format="dummy")
     model = transformers.Qwen3ForCausalLM.from_pretrained(root / "v0", dtype=torch.bfloat16)
     transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 60}, receivers=["rxd"])

@@ -55,7 +55,7 @@ def run(worker: str, tmp, *args: str, **env) -> dict:
 def fresh_loads(job: dict, steps: list[int], tp: int = 1) -> dict[int, VLLMWorker]:
     """A fresh vLLM load of the trainer's weights after each step, all started at once."""
     workers = {k: VLLMWorker(job["out"] / f"step{k}", job["tmp"] / f"fresh{k}.log",
-                             "nemo_dcr.runtimes.vllm.DCRWorkerExtension", tp=tp) for k in steps}
+                             "nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension", tp=tp) for k in steps}
     for w in workers.values():
         w.read("start-up")
     return workers

@@ -76,9 +76,8 @@ DIFF_BLOCK = 128  # elements per block of `diff16`
 
 # The 16-bit scans prefetch both inputs this many elements (4 KiB) ahead of the block they
 # compare: without it the compress work of a block that differs stalls the next blocks'
-# loads. On an Emerald Rapids core (64M elements, best of 11 alternating runs) `diff16` took
-# 19.7-21.4 ms instead of 23.3-25.8 at 1-5% changes, no change at 0%; 1024-4096 elements
-# ahead measured alike, non-temporal hints 30-150% slower (BENCHMARKS.md).
+# loads. Measured: faster at 1-5% changes and no different at 0%; 1024-4096 elements ahead
+# alike; non-temporal hints slower (benchmarks/results/history.md).
 DIFF_PREFETCH = 2048
 # `diff16`'s rows when positions take no row skips: (row_end, row_len, row_skip). Passed
 # explicitly: numba's specialisation for omitted default arguments ran the scan 7-10% slower.
@@ -188,12 +187,12 @@ def diff16_bitscan(a, b, i0, base, pos, new, v, mode, n0, row_end, row_len, row_
     has some, also fills slots that the next change overwrites, the word's first element
     standing in for the missing one), so the walk of a word with one or two changes
     exits without looking at the mask again, and one with three or four after one more
-    step. Measured on a Zen 3 core: walking one change a step (one exit per word, taken
-    after a varying count), the diff took 1.07-1.18x as long at 3-5% (whole refits, 64M-160M
-    elements), three or four a step no less than two; a walk per 32-lane mask took
-    1.2-1.5x as long, the word scan `diff_words` 1.8-2.3x, and writing a fixed number of
-    slots per mask more still. Prefetches as `diff16` does. Like `diff16`, it may write
-    slots past the last change (up to two; the buffers' room covers them)."""
+    step. Measured on an AVX2-only core: walking one change a step (one exit per word, taken
+    after a varying count) made the diff slower at 3-5%, three or four a step were no faster
+    than two, and a walk per 32-lane mask, the word scan `diff_words` and writing a fixed
+    number of slots per mask were all slower still. Prefetches as `diff16` does. Like
+    `diff16`, it may write slots past the last change (up to two; the buffers' room covers
+    them)."""
     cap = pos.size
     n = n0
     i = i0

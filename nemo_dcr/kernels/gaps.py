@@ -42,9 +42,9 @@ def rice_shift(p, cap):
     entropy of the capped quotients + r raw bits per gap + 24 bits per escape), on at most
     2**13 gaps: all of them (g_0 = p[0]) below 2**13 positions, else _RICE_BLOCKS runs of
     _RICE_RUN consecutive gaps evenly spread (runs, not single gaps: each takes a few cache
-    lines where lone gaps missed the cache every time, ~0.4 ms a payload). With 2**12 sampled
-    gaps instead of 2**14 the payloads of benchmarks/trainer_speed.py and codec.py came out
-    -0.14% to +0.02% a row, at 7 us a record against 24. Negative
+    lines where lone gaps missed the cache every time). With 2**12 sampled gaps instead of
+    2**14 the payloads of benchmarks/trainer_speed.py and codec.py came out -0.14% to +0.02%
+    a row, for about a third of the time a record. Negative
     gaps (unsorted input, which the split then rejects) count as 0. The choice only affects
     the size, never correctness. One pass for the mean, one for a histogram of the
     quotients by the smallest shift (those by the two larger shifts are sums of its bins)."""
@@ -127,15 +127,14 @@ def gaps_split(p, r, esc, sym, counts, low, excess, lows):
     `lows` is scratch for the low bits one a byte: ceil(n / 8) * 8 bytes when 1 <= r <= 8
     (whole uint64 words; the caller's, so that a warm buffer can be reused), else unused.
 
-    Three passes, each ~0.3-0.6 ns a gap, where one loop doing all of it took 1.6: the
-    symbols, order check and counts of zero and escaped gaps (no state carried from gap to
-    gap: the loop vectorises), and for shifts of 1-8 each gap's low bits as a byte; the
-    symbols' counts (`_count_symbols`: 64 at a time by byte compares); the low bits packed
+    Three passes, together faster than one loop doing all of it: the symbols, order check
+    and counts of zero and escaped gaps (no state carried from gap to gap: the loop
+    vectorises), and for shifts of 1-8 each gap's low bits as a byte; the symbols' counts
+    (`_count_symbols`: 64 at a time by byte compares); the low bits packed
     (`_pack_low_bytes` from those bytes, eight gaps a step, else `_pack_low_bits` from the
-    positions): 1.0-1.2 ns a gap in all on an Emerald Rapids core, where the same passes
-    counting one symbol and packing one gap at a time took 1.6-1.7. The escapes' excesses
-    (`_excesses`) and the first bad position (an error: `strictly_increasing_below`) take a
-    pass of their own when there are any."""
+    positions), faster than the same passes counting one symbol and packing one gap at a
+    time. The escapes' excesses (`_excesses`) and the first bad position (an error:
+    `strictly_increasing_below`) take a pass of their own when there are any."""
     n = p.size
     if n == 0:
         return 0, 0, 0, 0
@@ -173,7 +172,7 @@ def _excesses(p, r, esc, sym, excess):
     Escapes are rare but not absent (a row-parallel piece's rows leave a gap of a whole
     row between them): the symbols are tested 8 at a time, through a uint64 view, for a
     byte equal to esc, and only words holding one are looked at byte by byte. A pass over
-    every gap again took ~0.45 ns a gap, a quarter of the split."""
+    every gap again cost about a quarter of the split."""
     n = p.size
     words = sym[:n - n % 8].view(np.uint64)
     seven = np.uint64(0x7F7F7F7F7F7F7F7F)
@@ -238,9 +237,9 @@ def _pack_low_bytes(lows, n, r, low):
     of eight in three shift-and-or rounds (byte pairs into 2r bits, those into 4r, into
     8r, the first gap's bits highest) and stores them with one unaligned 8-byte store
     (`_store_be64`; the next step overwrites the 8 - r bytes past them). No bits are
-    carried from step to step. 0.25-0.6 against 0.7-1.0 ns a gap for the positions' loop
-    (r = 1-8, Emerald Rapids). The last steps, whose store would pass the end of `low`,
-    and the last n % 8 gaps take the bit loop. Returns the bytes written."""
+    carried from step to step: faster than the positions' loop for r = 1-8. The last steps,
+    whose store would pass the end of `low`, and the last n % 8 gaps take the bit loop.
+    Returns the bytes written."""
     words = lows.view(np.uint64)
     ur = np.uint64(r)
     head = np.uint64(64 - 8 * r)

@@ -20,12 +20,12 @@ def affine_index(local, local_start, cols, offset, row_stride, out):
     monotone piece) and both below 2**31: the row is (rel * m) >> (31 + l), l = ceil(log2
     cols), m = ceil(2**(31 + l) / cols) < 2**32, exact for every 31-bit rel (Granlund and
     Montgomery's round-up method), and every multiply is 32 x 32 -> 64 bits, which the
-    vectorised loop does eight to a 512-bit register (0.30-0.44 against 0.64-0.84 ns a
-    position on an Emerald Rapids core, where the double-precision row below needed
-    64-bit multiplies). Anything else, or an offset out of that range (checked on the
-    way), takes `_affine_index_wide`: a call whose positions reach 2**31 past the piece's
-    start (a piece of more than 2**31 elements) pays both loops; splitting the check into
-    blocks cost the vectorised loop 4x and was not kept."""
+    vectorised loop does eight to a 512-bit register (about twice as fast as the
+    double-precision row below, which needs 64-bit multiplies that AVX-512 does slowly).
+    Anything else, or an offset out of that range (checked on the way), takes
+    `_affine_index_wide`: a call whose positions reach 2**31 past the piece's start (a piece
+    of more than 2**31 elements) pays both loops; splitting the check into blocks cost the
+    vectorised loop 4x and was not kept."""
     grow = row_stride - cols  # canonical = local - local_start + offset + row * grow
     if 1 <= cols < _AFFINE_NARROW and 0 <= grow < _AFFINE_NARROW:
         l = 0

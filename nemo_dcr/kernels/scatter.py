@@ -11,8 +11,8 @@ from .intrinsics import _prefetch
 
 # scatter_apply prefetches the line of the change this many changes ahead. The hardware
 # prefetchers follow the sorted positions' stream but not the scattered lines they point
-# at; on an Emerald Rapids core (into 1 GiB, 5-27M changes) it took 0.54-0.95x the time of
-# none for xor, add and set, 48-96 ahead alike, 16 ahead about half the gain (BENCHMARKS.md).
+# at. Measured: faster than none for xor, add and set, 48-96 ahead alike, 16 ahead about
+# half the gain (benchmarks/results/history.md).
 _SCATTER_PREFETCH = 64
 # ... for scatters kept in the modules they serve (nemo_dcr.digest's)
 prefetch, SCATTER_PREFETCH = _prefetch, _SCATTER_PREFETCH
@@ -25,8 +25,8 @@ def scatter_apply(flat, pos, vals, op):
     `wire.positions.signed_view`) or uint32, strictly increasing, in [0, flat.size). Returns 0,
     or 1 + the index of the first position that is not: the changes before it are
     applied, none from it on (the caller takes them back). The check adds nothing to the
-    scatter's memory traffic; a pass of its own read 8 bytes a change more, 11-15% of one
-    receiver's pause at 3-5% on the 1.07B model (BENCHMARKS.md)."""
+    scatter's memory traffic; a pass of its own read 8 bytes a change more, a tenth or so
+    of a receiver's pause (benchmarks/results/history.md)."""
     n = pos.size
     size = flat.size
     ahead = n - _SCATTER_PREFETCH  # the changes before this one prefetch a later change's line

@@ -24,18 +24,18 @@ def histogram_lines(vals, table, lines, distinct, found):
     64-byte line of it holds four values'; lines: a uint8 flag per such line (a multiple of
     8 of them), set when a value in it is counted, and scanned 8 at a time. Both must be
     all zero, and are again on return: a call costs its values and the lines they touch,
-    never a pass over all the bins (~60 us for 2**16 of them).
+    never a pass over all 2**16 bins.
 
     Value i counts into counter i % 4 of its value: runs of equal values (a few distinct
     deltas are the common case) would otherwise chain every increment on the one before
-    (1.0-1.8 ns a value on skewed and on real AdamW deltas, against 0.56-0.64). The flag is
+    (about twice the time a value on skewed and on real AdamW deltas). The flag is
     a plain store, not a read-modify-write, so it adds no such chain.
 
     At least _FEW_MIN 16-bit values of which the first _FEW_SAMPLE hold at most _FEW
     distinct ones take `_count_few`: one 32-lane compare and popcount per distinct value of
-    the sample, the table only for values outside it (+-1-ULP deltas, 1M of them: 0.48-0.61
-    against 0.85-0.99 ns a value as xor, 0.12-0.19 against 0.73-1.0 as add; 8-12K of them,
-    a mixture-of-experts record at 1%: 5-7 against 14-21 us, 3 against 12-18 as add)."""
+    the sample, the table only for values outside it: faster than the table on +-1-ULP
+    deltas, as xor and much more so as add, and on the small records of a
+    mixture-of-experts refit."""
     n = vals.size
     if vals.itemsize == 2 and n >= _FEW_MIN and vals.strides[0] == 2:  # the compares read 64 bytes at once
         few = np.empty(_FEW, np.int64)
@@ -64,8 +64,8 @@ def _distinct_upto(vals, m, few):
 
     32 values a step: one compare per value found so far marks the known lanes; each lane
     left is a new value, taken lowest first, its equal lanes dropped by one more compare.
-    Searching the values found one at a time for each sampled value took 13-17 us a
-    record (a mispredicted exit a value), 1.9-2.8 us this way."""
+    Searching the values found one at a time for each sampled value cost a mispredicted
+    exit a value, several times this way's time."""
     k = 0
     lanes = np.uint64(0xFFFFFFFF)
     for i in range(0, m, 32):
@@ -180,8 +180,8 @@ def xor_add_entropies(add, new, table, lines, distinct, found):
     """(entropy bits of the xor values, of the add values) of changes given as their add
     values (new - old, wrapping) and new bits, 16-bit or narrower: xor = new ^ (new - add).
     The tables as `histogram_lines` takes them (left all zero); distinct and found need
-    room for min(add.size, 2**width) entries. One call where two histograms and two
-    entropies in numpy took ~70 us a record (op "auto"'s sampled choice)."""
+    room for min(add.size, 2**width) entries. One call instead of two histograms and two
+    entropies in numpy, whose per-record overhead op "auto"'s sampled choice felt."""
     n = add.size
     mask = (np.int64(1) << np.int64(8 * add.itemsize)) - 1
     xs = np.empty(n, add.dtype)

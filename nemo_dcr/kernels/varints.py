@@ -35,8 +35,9 @@ def runs_leb128(p, out):
     """`wire.positions.encode_runs`' varints for strictly increasing uint64 (or uint32)
     positions p: for each run of consecutive positions, the gap from the end of the run
     before it (from 0 for the first), then its length; into out (room for 20 bytes a
-    position). Returns the bytes written. One pass where numpy's ten steps took ~20 us
-    for a record of a few changes, the records for which runs are always tried."""
+    position). Returns the bytes written. One compiled pass instead of numpy's ten steps,
+    whose call overhead dominated the records of a few changes for which runs are always
+    tried."""
     n = 0
     i = 0
     end = np.uint64(0)  # one past the previous run
@@ -86,11 +87,11 @@ def leb128_parse(buf, start, n, out):
 @_jit
 def model_parse(buf, start, max_alphabet, total, out):
     """A stream's model at buf[start:] as `wire.rans.read_model` reads it, in one compiled
-    call where its varint reads and numpy checks took ~12 us a model, two models a joint
-    record: the alphabet size, then that many frequencies into uint64 out, all canonical
-    varints, 1 <= alphabet <= min(max_alphabet, out.size), every frequency <= total and
-    their sum == total. Returns (alphabet, end offset), or (0, start) for anything else:
-    the caller's checked path then names what is wrong."""
+    call instead of varint reads and numpy checks whose call overhead a small record felt
+    (two models a joint record): the alphabet size, then that many frequencies into uint64
+    out, all canonical varints, 1 <= alphabet <= min(max_alphabet, out.size), every
+    frequency <= total and their sum == total. Returns (alphabet, end offset), or (0, start)
+    for anything else: the caller's checked path then names what is wrong."""
     k, end = leb128_parse(buf, start, 1, out)
     if k != 1 or out[0] < 1 or out[0] > max_alphabet or out[0] > out.size:
         return 0, start

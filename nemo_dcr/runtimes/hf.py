@@ -30,7 +30,8 @@ from nemo_dcr.checkpoint import read_specs
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.base import Catalog
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, module_fingerprint, module_storages, storage_key
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter
+from nemo_dcr.runtimes.loader_trace import module_fingerprint, module_storages, storage_key
 from nemo_dcr.runtimes.private_memory import privatize
 
 

@@ -47,19 +47,19 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr import digest, dtypes, kernels
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
 from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog, inverse
+from nemo_dcr.runtimes.loader_trace import (CopyInterceptor, LoaderCopy, LoaderPlan, StorageView, mark_view,
+                                            storage_key)
 from nemo_dcr.wire.positions import check_positions, signed_view
 
 _aten = torch.ops.aten
@@ -69,29 +69,10 @@ _NEVER_WROTE = "the runtime's loader never wrote this tensor (skipped)"
 _SCATTER_OP = {Op.XOR: scatter.XOR, Op.ADD: scatter.ADD}
 
 
-def storage_key(t: torch.Tensor) -> int | None:
-    """Identity of the storage behind a tensor, shared by all its views (also on meta)."""
-    try:
-        return t.untyped_storage()._cdata
-    except Exception:  # sparse / wrapper tensors have no plain storage
-        return None
-
-
-def module_storages(model: torch.nn.Module) -> dict[int, str]:
-    """Storage identity -> the first name of a parameter or buffer on it, for a module."""
-    out: dict[int, str] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
-        model.named_buffers(remove_duplicate=False)
-    ):
-        if t is not None:
-            out.setdefault(storage_key(t), name)
-    return out
-
-
 class _Inverse:
     """Undo step of an applied xor / add record: the record, inverted only if the step is
-    ever used. Negating add values up front cost ~1 ns per change inside the pause, for an
-    undo that rarely runs."""
+    ever used. Negating add values up front cost a pass over every change inside the
+    pause, for an undo that rarely runs."""
 
     __slots__ = ("record",)
 
@@ -108,99 +89,6 @@ class _Inverse:
 
 def _undo_record(step: Record | _Inverse) -> Record:
     return inverse(step.record) if isinstance(step, _Inverse) else step
-
-
-def module_fingerprint(model: torch.nn.Module) -> tuple:
-    """What a module tree's loader plans depend on, from one plain walk over it: per
-    module reached, its identity, its children's, its load hooks, and the storage (and
-    vLLM-style `weight_loader`) of each parameter and buffer. Equal fingerprints mean the
-    same storage and loaders. About 10x cheaper than `module_storages` plus a `modules()`
-    walk, which build every dotted name: it runs once per payload applied."""
-    out, seen, stack = [], set(), [model]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        children = [c for c in m._modules.values() if c is not None]
-        stack.extend(reversed(children))
-        tensors = tuple((storage_key(t), getattr(t, "weight_loader", None))
-                        for store in (m._parameters, m._buffers) for t in store.values() if t is not None)
-        out.append((id(m), tuple(map(id, children)), tensors, tuple(m._load_state_dict_pre_hooks.values()),
-                    tuple(m._load_state_dict_post_hooks.values())))
-    return tuple(out)
-
-
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """Tensors an aten op mutates, read from its schema (`Tensor(a!)` arguments)."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, torch.Tensor))
-    return out
-
-
-@dataclass(frozen=True)
-class _View:
-    """Strided geometry of a tensor inside its storage, in elements."""
-
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> _View:
-        return cls(tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.size)
-
-    def span(self) -> tuple[int, int]:
-        """[first, last + 1) storage elements touched (empty when numel is 0)."""
-        if self.numel == 0:
-            return self.offset, self.offset
-        return self.offset, self.offset + sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1
-
-    def _dims(self) -> list[tuple[int, int]]:
-        return sorted((st, s) for s, st in zip(self.size, self.stride) if s > 1)
-
-    def distinct(self) -> bool:
-        """No two elements share a storage element (sufficient test)."""
-        reach = 0
-        for st, s in self._dims():
-            if st <= reach:
-                return False
-            reach += (s - 1) * st
-        return True
-
-    def dense(self) -> bool:
-        """Elements fill [offset, offset + numel) exactly (a permutation of contiguous)."""
-        expected = 1
-        for st, s in self._dims():
-            if st != expected:
-                return False
-            expected *= s
-        return True
-
-    def deduplicated(self) -> _View:
-        """The same set of elements without broadcast (stride-0) dimensions."""
-        keep = [(s, st) for s, st in zip(self.size, self.stride) if st != 0 or s <= 1]
-        return _View(tuple(s for s, _ in keep), tuple(st for _, st in keep), self.offset)
-
-    def indices(self) -> torch.Tensor:
-        """Flat storage indices of every element (explicit; only for odd layouts)."""
-        idx = torch.full((), self.offset, dtype=torch.int64)
-        for d, (s, st) in enumerate(zip(self.size, self.stride)):
-            shape = [1] * len(self.size)
-            shape[d] = s
-            idx = idx + (torch.arange(s, dtype=torch.int64) * st).view(shape)
-        return idx.reshape(-1)
 
 
 def _scatter_arrays(bits: torch.Tensor, record: Record) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -248,53 +136,8 @@ def _held_bits(got: torch.Tensor, expected: torch.Tensor, held: torch.Tensor | N
     return a.reshape(-1)[held], b.reshape(-1)[held]
 
 
-def _mark(marks: torch.Tensor, view: _View, base: int) -> bool:
-    """Set `view`'s elements in `marks` (index = storage element - base); True if any was set."""
-    v = _View(view.size, view.stride, view.offset - base)
-    if v.distinct():
-        region = marks.as_strided(v.size, v.stride, v.offset)
-        hit = bool(region.any())
-        region.fill_(True)
-    else:
-        idx = v.indices()
-        hit = bool(marks[idx].any()) or torch.unique(idx).numel() != idx.numel()
-        marks[idx] = True
-    return hit
-
-
 @dataclass
-class _Copy:
-    """One intercepted `dst.copy_(src)`: canonical elements `src` land on `dst`."""
-
-    dst: torch.Tensor
-    src: _View  # in scratch (canonical, contiguous) elements, broadcast to dst's shape
-    dst_view: _View
-    dst_key: int
-    where: str  # destination name, for messages
-
-    @classmethod
-    def into(cls, dst: torch.Tensor, src: _View, where: str) -> _Copy:
-        return cls(dst, src, _View.of(dst), storage_key(dst), where)
-
-
-@dataclass
-class _Plan:
-    """Where one canonical tensor's elements land, as the native loader put them."""
-
-    name: str
-    dtype: dtypes.DType
-    shape: tuple[int, ...]
-    copies: list[_Copy] = field(default_factory=list)
-    irregular: str | None = None  # why only a verified dense overwrite is exact
-    identity: bool = False  # one plain copy of the whole tensor: apply sparsely
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass
-class _Restore:
+class RestoreBits:
     """Raw old bits of regions written by a dense overwrite, restored verbatim."""
 
     items: list[tuple[torch.Tensor, torch.Tensor]]
@@ -302,37 +145,6 @@ class _Restore:
     def restore(self) -> None:
         for dst, old in reversed(self.items):
             dtypes.bits_of(dst.detach()).copy_(old)
-
-
-class _Interceptor(TorchDispatchMode):
-    """Records copies into model storage instead of running them; refuses other writes."""
-
-    def __init__(self, scratch: dict[int, str], destinations: dict[int, str]):
-        super().__init__()
-        self.scratch = scratch
-        self.destinations = destinations
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.mutated: set[str] = set()
-        self.errors: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        # A write of zero elements changes nothing (vLLM's embedding loader fills the
-        # empty padding slice `param[n:]` with zeros): run it, it cannot matter.
-        written = [t for t in _written(func, args, kwargs) if t.numel() > 0]
-        for t in written:
-            name = self.scratch.get(storage_key(t))
-            if name is not None:
-                self.mutated.add(name)
-        hits = [self.destinations[k] for k in map(storage_key, written) if k in self.destinations]
-        if not hits:
-            return func(*args, **kwargs)
-        if func is _aten.copy_.default and len(written) == 1 and isinstance(args[1], torch.Tensor):
-            self.copies.append((args[0], args[1]))
-            return args[0]
-        msg = f"the loader writes {hits[0]} with {func} (only copies can be intercepted)"
-        self.errors.append(msg)
-        raise ApplyError(msg)
 
 
 class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
@@ -434,8 +246,8 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
     # -- validation and planning (writes nothing) ----------------------------------
     @contextlib.contextmanager
     def batch(self):
-        # The refresh and the layout (a walk over every module: ~2 ms on a 1B model, and a
-        # receiver applies one payload per call, 16-27 a refit end to end), once a batch.
+        # The refresh and the layout (a walk over every module, and a receiver applies one
+        # payload per call, 16-27 a refit end to end), once a batch.
         self._refresh()
         self._batch_layout = self._layout()
         try:
@@ -452,7 +264,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         if self._batch_layout is None:
             self._refresh()
 
-    def _prepare(self, records: list[Record], *, applying: bool) -> dict[str, _Plan]:
+    def _prepare(self, records: list[Record], *, applying: bool) -> dict[str, LoaderPlan]:
         """Check `records` and plan them; writes nothing. When `applying`, the positions of
         records that the compiled scatter will apply are left to it (`_scatters`)."""
         self._refresh_outside_batch()  # parameters may have moved or been replaced since the last call
@@ -501,20 +313,20 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         if pos.shape != vals.shape:
             raise ApplyError(f"{where}: {pos.shape[0]} positions but {vals.shape[0]} values")
 
-    def _plan(self, names: set[str]) -> dict[str, _Plan]:
+    def _plan(self, names: set[str]) -> dict[str, LoaderPlan]:
         """Plans for `names`: run the loader once for those not planned yet (one at a time
         when copies are ambiguous).
 
         Plans are kept while the model's storage and loaders are the same (`_layout`, per
         scratch device): a loader's copy geometry is fixed for a model, and rerunning it on every
-        apply cost ~10 ms per payload, most of a refit's pause. Overlap checks run over
+        apply cost most of a refit's pause. Overlap checks run over
         every plan kept, so two tensors writing one region are caught even when they
         arrive in different payloads."""
         if not names:
             return {}
         layout = (str(self.scratch_device), self._layout_checked())
         if getattr(self, "_plans_layout", None) != layout:
-            self._plans: dict[str, _Plan] = {}
+            self._plans: dict[str, LoaderPlan] = {}
             self._plans_layout = layout
         missing = sorted(names - self._plans.keys())
         if missing:
@@ -537,10 +349,10 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                 device = "cpu"
         return torch.empty(shape, dtype=dtypes.from_name(dtype_name).torch_dtype, device=device)
 
-    def _intercepted_load(self, tensors: dict[str, torch.Tensor]) -> _Interceptor:
+    def _intercepted_load(self, tensors: dict[str, torch.Tensor]) -> CopyInterceptor:
         label = ", ".join(sorted(tensors))
         destinations = self._destinations()
-        mode = _Interceptor({storage_key(t): n for n, t in tensors.items()}, destinations)
+        mode = CopyInterceptor({storage_key(t): n for n, t in tensors.items()}, destinations)
         try:
             with mode:
                 self._load(tensors)
@@ -554,7 +366,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise ApplyError(f"{label}: the loader replaced parameter storage; cannot apply in place")
         return mode
 
-    def _plan_batch(self, names: list[str]) -> dict[str, _Plan] | None:
+    def _plan_batch(self, names: list[str]) -> dict[str, LoaderPlan] | None:
         """Plans for `names` from one loader run; None if a batch cannot be attributed."""
         single = len(names) == 1
         catalog = self.catalog()
@@ -566,7 +378,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             if single:
                 raise
             return None  # attribute the failure to one tensor
-        plans = {n: _Plan(n, dtypes.from_name(catalog[n][0]), tuple(catalog[n][1])) for n in names}
+        plans = {n: LoaderPlan(n, dtypes.from_name(catalog[n][0]), tuple(catalog[n][1])) for n in names}
         for dst, src in mode.copies:
             where = mode.destinations.get(storage_key(dst), "?")
             name = by_key.get(storage_key(src))
@@ -576,17 +388,17 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                 plan = plans[names[0]]
                 plan.irregular = (f"the loader copies a transformed value (not a view of {plan.name}) "
                                   f"into {where}")
-                plan.copies.append(_Copy.into(dst, _View((), (), 0), where))
+                plan.copies.append(LoaderCopy.into(dst, StorageView((), (), 0), where))
                 continue
             plan = plans[name]
             if src.dtype != scratch[name].dtype or dst.dtype != src.dtype:
                 plan.irregular = f"the loader casts {src.dtype} into {where} ({dst.dtype})"
             try:
-                geometry = _View.of(src.expand(dst.shape))
+                geometry = StorageView.of(src.expand(dst.shape))
             except RuntimeError:
                 raise ApplyError(f"{name}: shape {tuple(src.shape)} cannot be copied into "
                                  f"{where} {tuple(dst.shape)}") from None
-            plan.copies.append(_Copy.into(dst, geometry, where))
+            plan.copies.append(LoaderCopy.into(dst, geometry, where))
         for name in mode.mutated:
             plans[name].irregular = f"the loader modifies the incoming {name} in place"
         self._mark_overlaps(plans)
@@ -594,9 +406,9 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             self._finish(plan)
         return plans
 
-    def _mark_overlaps(self, plans: dict[str, _Plan]) -> None:
+    def _mark_overlaps(self, plans: dict[str, LoaderPlan]) -> None:
         """Copies writing one destination element twice would double-apply a delta."""
-        by_storage: dict[int, list[tuple[_Copy, _Plan]]] = {}
+        by_storage: dict[int, list[tuple[LoaderCopy, LoaderPlan]]] = {}
         for plan in plans.values():
             for copy in plan.copies:
                 if not copy.dst_view.distinct():
@@ -619,22 +431,22 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                     cluster, end = [entry], hi
 
     @staticmethod
-    def _check_cluster(cluster: list[tuple[_Copy, _Plan]]) -> None:
+    def _check_cluster(cluster: list[tuple[LoaderCopy, LoaderPlan]]) -> None:
         sizes = {c.dst.element_size() for c, _ in cluster}
         base = min(c.dst_view.span()[0] for c, _ in cluster)
         top = max(c.dst_view.span()[1] for c, _ in cluster)
         marks = torch.zeros(top - base, dtype=torch.bool)
-        overlap = len(sizes) > 1 or any([_mark(marks, c.dst_view, base) for c, _ in cluster])
+        overlap = len(sizes) > 1 or any([mark_view(marks, c.dst_view, base) for c, _ in cluster])
         if overlap:
             for copy, plan in cluster:
                 plan.irregular = f"the loader writes overlapping regions of {copy.where}"
 
-    def _finish(self, plan: _Plan) -> None:
+    def _finish(self, plan: LoaderPlan) -> None:
         if not plan.copies:
             raise ApplyError(f"{plan.name}: {_NEVER_WROTE}")
         if plan.irregular:
             return
-        full = _View.of(torch.empty(plan.shape, device="meta"))  # contiguous geometry
+        full = StorageView.of(torch.empty(plan.shape, device="meta"))  # contiguous geometry
         first = plan.copies[0]
         plan.identity = (
             len(plan.copies) == 1
@@ -646,7 +458,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             raise ApplyError(f"{plan.name}: the runtime's loader wrote only part of this tensor")
 
     @staticmethod
-    def _covered(plan: _Plan) -> bool:
+    def _covered(plan: LoaderPlan) -> bool:
         views = [c.src.deduplicated() for c in plan.copies]
         if all(v.dense() for v in views):
             reach = 0
@@ -657,16 +469,16 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             return reach >= plan.numel
         marks = torch.zeros(plan.numel, dtype=torch.bool)
         for v in views:
-            _mark(marks, v, 0)
+            mark_view(marks, v, 0)
         return bool(marks.all())
 
     # -- writing -------------------------------------------------------------------
-    def _wrote(self, plan: _Plan, step) -> None:
+    def _wrote(self, plan: LoaderPlan, step) -> None:
         """Called once a record has been written (on the calling thread or by the scatter
         pool, applied or undone), with its undo step: a hook for adapters that follow up
         on what was written (vLLM re-runs its post-load processing for those layers)."""
 
-    def _execute(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None):
+    def _execute(self, record: Record, plan: LoaderPlan, state: digest.StateDigest | None = None):
         """Apply one record; return the step that undoes it. All or nothing. `state`: the
         digest delta the write is added to (none for an undo: the receiver takes a whole
         log's delta back)."""
@@ -674,7 +486,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         self._wrote(plan, step)
         return step
 
-    def _write_record(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None):
+    def _write_record(self, record: Record, plan: LoaderPlan, state: digest.StateDigest | None = None):
         """`_execute` on this thread, before the `_wrote` hook."""
         if plan.irregular:
             return self._dense_overwrite(record, plan, state)
@@ -690,7 +502,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                 old = self._old_bits(record, plan)
                 moved = digest.change_delta(record.name, Op.OVERWRITE, record.positions,
                                             _new_bits(Op(record.op), old, record.values), old)
-        done: list[_Copy] = []
+        done: list[LoaderCopy] = []
         cache: dict = {}
         if state is not None and moved is None:
             cache["sums"] = np.zeros(2, np.uint64)  # the compiled scatter adds its writes' here
@@ -707,7 +519,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             state.add(record.name, moved if moved is not None else cache["sums"])
         return undo
 
-    def _pooled(self, records: list[Record], plans: dict[str, _Plan]) -> set[int]:
+    def _pooled(self, records: list[Record], plans: dict[str, LoaderPlan]) -> set[int]:
         """Indices of the xor / add records the scatter pool applies side by side: those
         the compiled scatter takes, each the only record of its tensor in this call (so
         no two threads write one element). None of them with a single apply thread."""
@@ -717,7 +529,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         return {i for i, r in enumerate(records)
                 if len(r) and Op(r.op) in _SCATTER_OP and names[r.name] == 1 and self._scatters(plans[r.name])}
 
-    def _apply_pooled(self, work: list[tuple[int, Record, _Plan]], log: UndoLog) -> None:
+    def _apply_pooled(self, work: list[tuple[int, Record, LoaderPlan]], log: UndoLog) -> None:
         """Scatter (index, record, plan) side by side; the applied ones join `log`."""
         jobs = [scatter.Job(*_scatter_arrays(dtypes.bits_of(plan.copies[0].dst.detach()), record),
                             _SCATTER_OP[Op(record.op)], digest.kernel_keys(record) if log.digest is not None else None)
@@ -742,12 +554,12 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         return self._pool
 
     @staticmethod
-    def _scatters(plan: _Plan) -> bool:
+    def _scatters(plan: LoaderPlan) -> bool:
         """Whether `_write` applies records of `plan` with the compiled scatter (which checks
         their positions as it writes): one plain copy into contiguous CPU storage."""
         return plan.identity and kernels.common.HAVE_NUMBA and plan.copies[0].dst.device.type == "cpu"
 
-    def _write(self, plan: _Plan, record: Record, copy: _Copy, cache: dict) -> None:
+    def _write(self, plan: LoaderPlan, record: Record, copy: LoaderCopy, cache: dict) -> None:
         """Apply `record` to the destination elements of one copy, on the bit view."""
         op = Op(record.op)
         bits = dtypes.bits_of(copy.dst.detach())
@@ -799,7 +611,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         else:
             bits.copy_(torch.where(mask.as_strided(g.size, g.stride, g.offset), v, bits))
 
-    def _current(self, record: Record, plan: _Plan, purpose: str) -> torch.Tensor:
+    def _current(self, record: Record, plan: LoaderPlan, purpose: str) -> torch.Tensor:
         """The canonical tensor as the runtime holds it, checked against the catalog."""
         current = self._canonical_tensor(record.name).detach()
         if current.dtype != plan.dtype.torch_dtype or tuple(current.shape) != plan.shape:
@@ -808,7 +620,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
                              f"canonical {plan.dtype.name} {plan.shape}")
         return current
 
-    def _old_bits(self, record: Record, plan: _Plan) -> np.ndarray:
+    def _old_bits(self, record: Record, plan: LoaderPlan) -> np.ndarray:
         bits = dtypes.bits_of(self._current(record, plan, "to keep its old bits"))
         pos = _positions(record, bits.device)
         if bits.is_contiguous():
@@ -817,7 +629,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             old = bits[torch.unravel_index(pos, plan.shape)]
         return old.cpu().numpy().view(plan.dtype.bits_numpy).copy()
 
-    def _dense_overwrite(self, record: Record, plan: _Plan, state: digest.StateDigest | None = None) -> _Restore:
+    def _dense_overwrite(self, record: Record, plan: LoaderPlan, state: digest.StateDigest | None = None) -> RestoreBits:
         """Overwrite through a loader that transforms/casts/overlaps: dense, then verified."""
         current = self._current(record, plan, "to overwrite it densely")
         target = current.clone(memory_format=torch.contiguous_format)
@@ -830,7 +642,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         mode = self._intercepted_load({record.name: target})
         if not mode.copies:
             raise ApplyError(f"{record.name}: {_NEVER_WROTE}")
-        restore = _Restore([])
+        restore = RestoreBits([])
         try:
             for dst, src in mode.copies:  # replay in the loader's order, as a dense load would
                 restore.items.append((dst, dtypes.bits_of(dst.detach()).clone()))
@@ -852,12 +664,12 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
             state.add(record.name, moved)
         return restore
 
-    def _undo(self, steps: list, plans: dict[str, _Plan] | None = None) -> None:
+    def _undo(self, steps: list, plans: dict[str, LoaderPlan] | None = None) -> None:
         self._refresh_outside_batch()
         if plans is None:
             plans = self._plan({s.name for s in steps if isinstance(s, (Record, _Inverse)) and len(s)})
         for step in reversed(steps):
-            if isinstance(step, _Restore):
+            if isinstance(step, RestoreBits):
                 step.restore()
             elif len(step):
                 self._execute(_undo_record(step), plans[step.name])

@@ -7,8 +7,8 @@ receiver that applies refits in place cannot serve from such memory:
   never written as the file holds them *now*, so a checkpoint rewritten in place (a
   re-export to the same folder) silently changes the weights being served, and one
   truncated makes reading them a SIGBUS;
-- every page's first write is a fault that copies it: 535K faults, ~2.2 s, spread over
-  the first refits of the 1.07B end-to-end model on the reference VM.
+- every page's first write is a fault that copies it: hundreds of thousands of faults on a
+  1B-parameter model, spread over the first refits.
 `privatize` copies such tensors once, at start-up (`HFRuntime` calls it; `TensorStoreRuntime`
 calls `privatize_tensors` on the tensors it is given, e.g. by `safetensors.torch.load_file`,
 which maps them the same way).

@@ -1,11 +1,10 @@
 """The pause's compiled scatters, spread over threads.
 
 Why: while the runtime is paused its host's cores have nothing else to do, and one
-core's scatter does not take all of the memory system: on the 2-core benchmark host the
-kernel applies a 3% refit of the 1.07B model (32M changes) in ~77 ms on one thread and
-~61 ms on two, one receiver's whole pause in 88 and 78 ms (BENCHMARKS.md, "The pause on
-the receiver's cores"). The kernel releases the GIL (numba `nogil`), so plain threads
-run it side by side.
+core's scatter does not take all of the memory system: on a 2-core host a second thread
+took about a fifth off the kernel's time and about a tenth off a receiver's whole pause
+(BENCHMARKS.md, "Receiver pause"). The kernel releases the GIL (numba `nogil`), so
+plain threads run it side by side.
 
 A job is one record on one destination. Jobs are cut into pieces of at most `piece`
 changes, so that one large tensor does not leave the other threads idle; a job's

@@ -19,7 +19,8 @@ from nemo_dcr import dtypes
 from nemo_dcr.checkpoint import safetensors_files
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.runtimes.base import Catalog
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, storage_key
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter
+from nemo_dcr.runtimes.loader_trace import storage_key
 from nemo_dcr.runtimes.private_memory import privatize_tensors
 
 

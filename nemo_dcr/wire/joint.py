@@ -57,10 +57,10 @@ def _l2_bytes() -> int:
 def _per_slot_table() -> bool:
     """Whether joint streams decode through the per-slot table (one 512 KB load a step)
     rather than the indexed one (two loads, 64-128 KB): where an L2 of 1 MiB or more holds
-    it. Measured: on a 512 KB L2 (Zen 3) the indexed table decoded a 3% model refit's
-    streams in 4.3 against 6.4 ns a symbol; on a 2 MB L2 (Emerald Rapids) a two-load step
-    read ~25% slower than the per-slot one (BENCHMARKS.md). NEMO_DCR_JOINT_TABLE=slot /
-    indexed picks either; any other value is an error."""
+    it. Measured: on a 512 KB L2 the indexed table decoded a 3% model refit's streams in
+    about two thirds of the per-slot table's time; on a 2 MB L2 a two-load step was about a
+    quarter slower than the per-slot one (benchmarks/results/history.md).
+    NEMO_DCR_JOINT_TABLE=slot / indexed picks either; any other value is an error."""
     choice = os.environ.get("NEMO_DCR_JOINT_TABLE", "")
     if choice in ("slot", "indexed"):
         return choice == "slot"
@@ -120,8 +120,8 @@ def decode_joint_gaps(gaps: GapsReader, f2: np.ndarray, numel: int,
     `decode_joint`'s second array) from a `gaps_joint` section read up to its words and
     the values' model f2: `decode_joint` then `gaps.positions`, the same results and the
     same errors, in one pass where the gaps' shift allows it (`kernels.joint.rans_decode_joint_gaps`:
-    each gap joined as its quotient decodes: 0.80-0.87x the two passes' time on the Zen 3 host,
-    BENCHMARKS.md)."""
+    each gap joined as its quotient decodes: 0.80-0.87x the two passes' time,
+    benchmarks/results/history.md)."""
     m, r = gaps.count, gaps.shift
     low = gaps.low_bits()
     if low is None or r == 0 or m << (r + 8) >= 1 << 62:  # the one pass's bounds (its docstring)

@@ -160,7 +160,8 @@ def read_model(r: Reader, max_alphabet: int, what: str) -> np.ndarray:
 
 def model_bytes(freq: np.ndarray, *trailer: int) -> bytes:
     """A stream's model as `read_model` reads it, then the varints `trailer` (a stream's
-    word count). Written into one uint64 array: concatenating the lists took 6 us a header."""
+    word count). Written into one uint64 array: about half the time of concatenating the
+    lists."""
     x = np.empty(1 + freq.size + len(trailer), _U64)
     x[0] = freq.size
     x[1:1 + freq.size] = freq

@@ -20,7 +20,7 @@ MAX_VARINT_BYTES = 10  # ceil(64 / 7)
 
 def leb128_ints(*values: int) -> bytes:
     """Unsigned LEB128 of a few Python ints, concatenated: `leb128_encode` without an array
-    (a section's shift or table sizes: ~0.2 us where building the array took ~2)."""
+    (a section's shift or table sizes, where building an array cost ten times as much)."""
     out = bytearray()
     for v in values:
         if v < 0:

@@ -80,7 +80,7 @@ def main() -> None:
           f"fused QKV {qkv}", flush=True)
 
     def publish(version: int) -> None:
-        dense = reference_export(chunks, hf_config)  # collective over the inference ranks
+        dense = reference_export(chunks, hf_config, family=args.family)  # collective over the inference ranks
         with open(os.path.join(args.out, f"slices-{rx_id}-v{version}.json"), "w") as f:
             json.dump(runtime.slice_digests(), f)
         if rank == 0:

@@ -81,7 +81,7 @@ def main() -> None:
                          state_dir=args.state_dir, op=Op(args.op), max_payload_elements=1 << 13, timeout_s=120)
 
     def publish(version: int) -> dict | None:
-        dense = reference_export(model, hf_config)  # collective
+        dense = reference_export(model, hf_config, family=args.family)  # collective
         if rank != 0:
             return None
         save_file(dense, os.path.join(args.out, f"trainer-v{version}.safetensors"))

@@ -52,7 +52,7 @@ def main() -> int:
          "--enable-scale-out",  # the token-in/token-out generate route
          "--tensor-parallel-size", str(args.tp), "--distributed-executor-backend", "mp",
          # verification only (`dcr_loader_digests`); the refits go through the backend
-         "--worker-extension-cls", "nemo_dcr.runtimes.vllm.DCRWorkerExtension",
+         "--worker-extension-cls", "nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension",
          "--weight-transfer-config", json.dumps({"backend": "dcr"})],
         env=env, stdout=open(args.out.parent / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -12,7 +12,7 @@ import torch
 from nemo_dcr import dtypes
 from nemo_dcr.errors import ApplyError
 from nemo_dcr.records import Op, Record
-from nemo_dcr.runtimes.vllm import DCRWorkerExtension
+from nemo_dcr.integrations.vllm.worker_extension import DCRWorkerExtension
 
 
 def _loader_param(runtime, name: str) -> torch.nn.Parameter:

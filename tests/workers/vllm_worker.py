@@ -20,7 +20,7 @@ import time
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--ext", default="nemo_dcr.runtimes.vllm.DCRWorkerExtension")
+    ap.add_argument("--ext", default="nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()

@@ -33,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from nemo_dcr.errors import Unsupported
-from nemo_dcr.runtimes.vllm import DCRWorkerExtension
+from nemo_dcr.integrations.vllm.worker_extension import DCRWorkerExtension
 
 log = logging.getLogger("nemo_dcr.vllm")
 

@@ -57,7 +57,8 @@ from nemo_dcr.errors import ApplyError
 from nemo_dcr.layout import LocalParam, ParallelLayout
 from nemo_dcr.placement import Piece, ResidualMap
 from nemo_dcr.runtimes.base import Catalog
-from nemo_dcr.runtimes.intercept import NativeLoaderAdapter, storage_key
+from nemo_dcr.runtimes.intercept import NativeLoaderAdapter
+from nemo_dcr.runtimes.loader_trace import storage_key
 from nemo_dcr.runtimes.megatron.load import load_into
 from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
 from nemo_dcr.verify import tensor_digest
