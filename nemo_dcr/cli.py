@@ -15,15 +15,6 @@ from pathlib import Path
 from nemo_dcr.local_s3 import free_port
 
 
-def _repo_root() -> Path:
-    """The source checkout (the demo's trainer script lives in examples/)."""
-    for cand in (Path(__file__).resolve().parents[1], Path.cwd()):
-        if (cand / "examples" / "megatron_refit.py").exists() and (cand / "tests" / "support").is_dir():
-            return cand
-    raise SystemExit("nemo-dcr demo runs from a source checkout: cd into the repository "
-                     "(it needs examples/ and tests/support/) and run it again")
-
-
 def make_checkpoint(out: str | os.PathLike, *, family: str = "qwen3", hidden: int = 256, layers: int = 4,
                     heads: int = 8, kv_heads: int = 4, ffn: int = 768, vocab: int = 2000,
                     tied: bool = False, seed: int = 0, experts: int = 4) -> Path:
@@ -135,14 +126,13 @@ def cmd_demo(args) -> int:
         raise SystemExit(f"--ep {args.ep} must divide TP x DP = {args.tp * args.dp} (expert-TP is 1)")
     if args.sp and args.tp == 1:
         raise SystemExit("--sp splits sequences over the TP ranks: it needs --tp > 1")
-    root = _repo_root()
-    work = Path(args.workdir or root / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
+    work = Path(args.workdir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     receivers = [f"rx{i}" for i in range(args.receivers)]
     world = args.tp * args.pp * args.dp
     with contextlib.ExitStack() as stack:
         config = _demo_transport_config(args, receivers, stack)
-        return _run_demo(args, root, work, receivers, world, json.dumps(config))
+        return _run_demo(args, work, receivers, world, json.dumps(config))
 
 
 def _has_experts(family: str) -> bool:
@@ -174,15 +164,17 @@ def _demo_transport_config(args, receivers: list[str], stack: contextlib.ExitSta
     raise SystemExit(f"the demo has no set-up for transport {args.transport!r}; use local, relay or s3")
 
 
-def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, transport_config: str) -> int:
+def _run_demo(args, work: Path, receivers: list[str], world: int, transport_config: str) -> int:
     ckpt = work / "checkpoint-v0"
     print(f"[demo] work dir {work}")
     print(f"[demo] 1/3 creating a version-0 {args.family} checkpoint (BF16 safetensors)", flush=True)
     make_checkpoint(ckpt, family=args.family, layers=args.layers, hidden=args.hidden, tied=args.tied, seed=args.seed)
     shutil.rmtree(work / "coordinator", ignore_errors=True)  # a new version 0: no earlier commits apply
+    shutil.rmtree(work / "final", ignore_errors=True)  # nor an earlier run's dumps and results
+    (work / "results.jsonl").unlink(missing_ok=True)
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    # Receivers and trainer ranks are this interpreter running the installed package's modules.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     print(f"[demo] 2/3 starting {len(receivers)} receiver process(es) (HF transformers, in-place apply)", flush=True)
     procs = [subprocess.Popen([sys.executable, "-m", "nemo_dcr.cli", "receive", "--checkpoint", str(ckpt),
                                "--transport", args.transport, "--transport-config", transport_config,
@@ -194,7 +186,7 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
           f"(TP={args.tp}{sp} PP={args.pp}{vpp} DP={args.dp}{ep}) and refitting after each", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(root / "examples" / "megatron_refit.py"), "--checkpoint", str(ckpt), "--family", args.family,
+           "-m", "nemo_dcr.demo.trainer", "--checkpoint", str(ckpt), "--family", args.family,
            "--tp", str(args.tp), "--pp", str(args.pp), "--steps", str(args.steps), "--lr", str(args.lr),
            "--op", args.op, "--transport", args.transport, "--transport-config", transport_config,
            "--receivers", ",".join(receivers), "--state-dir", str(work / "coordinator"),
@@ -233,21 +225,33 @@ def _run_demo(args, root: Path, work: Path, receivers: list[str], world: int, tr
 
 
 def _compare_dumps(folder: Path, receivers: list[str]) -> bool:
-    """Element-wise comparison of every receiver's final state with the trainer's dense export."""
+    """Every receiver's final state, read from its dump: the whole-state digest computed
+    anew from every element must be the producers' committed one (what the trainer wrote
+    to trainer.json), and the receivers must agree with each other element by element."""
     from safetensors.torch import load_file
 
+    from nemo_dcr.digest import state_digest
     from nemo_dcr.verify import bit_mismatches
 
-    if not (folder / "trainer.safetensors").exists():  # the trainer stopped before its final export
-        print("[demo] no final dense export of the trainer to compare with")
+    if not (folder / "trainer.json").exists():  # the trainer stopped before the final dumps
+        print("[demo] no committed state digest from the trainer to compare with")
         return False
-    want = load_file(folder / "trainer.safetensors")
-    ok = True
+    want = json.loads((folder / "trainer.json").read_text())
+    first, ok = None, True
     for rx in receivers:
         path = folder / f"{rx}.safetensors"
-        bad = bit_mismatches(want, load_file(path)) if path.exists() else ["<no dump>"]
-        print(f"[demo] final state of {rx} vs dense export, element by element: "
-              f"{'identical' if not bad else f'{len(bad)} tensors differ: {bad[:5]}'}")
+        state = load_file(path) if path.exists() else None
+        if state is None:
+            bad = ["<no dump>"]
+        else:
+            got = state_digest(state).hex()
+            bad = [] if got == want["state_digest"] else [f"state digest {got}, the producers' {want['state_digest']}"]
+            if first is None:
+                first = (rx, state)
+            else:
+                bad += [f"{name} differs from {first[0]}'s" for name in bit_mismatches(first[1], state)]
+        print(f"[demo] final state of {rx} (its dump, every element) vs the producers' committed version "
+              f"{want['version']}: {'identical' if not bad else f'{len(bad)} problems: {bad[:5]}'}")
         ok &= not bad
     return ok
 
@@ -322,12 +326,13 @@ def main(argv=None) -> int:
     d.add_argument("--qkv-residual", action="store_true",
                    help="convert fused QKV as a residual (recompute + overwrite) instead of affine pieces")
     d.add_argument("--dump", action="store_true",
-                   help="after the last step, also compare full final states element by element")
+                   help="after the last step, also check every element of each receiver's dumped final state")
     d.add_argument("--transport", default="local", choices=["local", "relay", "s3"])
     d.add_argument("--s3-endpoint", help="use this S3 endpoint instead of starting a local server")
     d.add_argument("--s3-bucket", default="nemo-dcr")
     d.add_argument("--timeout", type=float, default=120.0, help="seconds any peer may stay silent")
-    d.add_argument("--workdir")
+    d.add_argument("--workdir", help="where the checkpoint, state and results go (default: runs/demo-<time> "
+                                     "in the current directory)")
     d.add_argument("--shm-dir")
     d.set_defaults(func=cmd_demo)
 

@@ -191,7 +191,7 @@ def test_shim_is_idempotent_and_redirects_cuda():
     code = textwrap.dedent(
         """
         import torch
-        from tests.support import megatron_cpu_shim as shim
+        from nemo_dcr.demo import megatron_cpu as shim
         if torch.cuda.is_available():
             assert shim.install() is False
             raise SystemExit(0)

@@ -1,9 +1,10 @@
-"""Megatron ranks under torchrun refit real HF receiver processes over the local
-transport; after every step each receiver must equal a dense canonical export of
-the trainer (digests of every tensor), and after the last step the full states are
-compared element by element. With `--qkv-residual` the fused QKV travels as a
-residual (recomputed q/k/v rows, overwrites) and must end in the same bits; that case
-also encodes on a thread per rank (`--encode-threads 1`)."""
+"""Megatron ranks under torchrun (`nemo-dcr demo`) refit real HF receiver processes;
+after every step each receiver must read its whole state again and hold the producers'
+committed whole-state digest (`TrainerRefit.verify()`), and after the last step every
+element of each receiver's dumped state is checked: its digest computed anew must be
+the producers', and the receivers must agree element by element. With `--qkv-residual`
+the fused QKV travels as a residual (recomputed q/k/v rows, overwrites) and must end in
+the same bits; that case also encodes on a thread per rank (`--encode-threads 1`)."""
 
 from __future__ import annotations
 
@@ -78,5 +79,6 @@ def test_refit_is_bit_exact_after_every_step(tmp_path, layout, transport):
         assert "placement: 100.0% of canonical bytes affine, 0.0% residual" in out, out[-3000:]
         assert all(r["residual_changed_elements"] == 0 for r in results), results
     for rx in ("rx0", "rx1"):
-        assert f"final state of {rx} vs dense export, element by element: identical" in out, out[-3000:]
+        assert (f"final state of {rx} (its dump, every element) vs the producers' committed version {steps}: "
+                "identical") in out, out[-3000:]
     assert not (tmp_path / "shm").exists()  # the transport's shared memory is gone

@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", required=True)
     args = ap.parse_args()
 
-    from tests.support import mcore_harness as H
+    from nemo_dcr.demo import harness as H
     from tests.support.reference_export import reference_export
 
     H.init_distributed(args.tp, args.pp, timeout_s=120)

@@ -40,12 +40,12 @@ def main() -> None:
     from nemo_dcr.capture import megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
     from nemo_dcr.converter import coverage_report, owned_intervals
+    from nemo_dcr.demo import harness as H
     from nemo_dcr.layout import LocalParam, ParallelLayout
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
     from nemo_dcr.trainer import TrainerRefit, gather_json
     from nemo_dcr.verify import state_digests
-    from tests.support import mcore_harness as H
     from tests.support.reference_export import reference_export
     from tests.test_fp8 import reference_fp8_state
 

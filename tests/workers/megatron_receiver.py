@@ -47,11 +47,11 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from tests.support import mcore_harness as H
     from tests.support.reference_export import reference_export
 
     from nemo_dcr import registry
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
+    from nemo_dcr.demo import harness as H
     from nemo_dcr.receiver import Receiver
     from nemo_dcr.runtimes.megatron import build_model_chunks, transformer_config_from_hf
     from nemo_dcr.runtimes.megatron.receiver import MegatronRuntime

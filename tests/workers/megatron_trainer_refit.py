@@ -47,12 +47,12 @@ def main() -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from tests.support import mcore_harness as H
     from tests.support.reference_export import reference_export
 
     from nemo_dcr import registry
     from nemo_dcr.capture import megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
+    from nemo_dcr.demo import harness as H
     from nemo_dcr.layout import LocalParam, ParallelLayout
     from nemo_dcr.records import Op
     from nemo_dcr.runtimes.megatron.load import load_into

@@ -33,10 +33,10 @@ class MegatronPolicyWorker(MegatronCheckpointEngineSendMixin, PolicyCheckpointEn
 
         from nemo_dcr import registry
         from nemo_dcr.checkpoint import CheckpointReader, read_specs
+        from nemo_dcr.demo import harness as H
         from nemo_dcr.layout import LocalParam, ParallelLayout
         from nemo_dcr.runtimes.megatron.load import load_into
         from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
-        from tests.support import mcore_harness as H
 
         H.init_distributed(world, 1)
         self.rank = rank
@@ -71,7 +71,7 @@ class MegatronPolicyWorker(MegatronCheckpointEngineSendMixin, PolicyCheckpointEn
     # -- the test's hands ----------------------------------------------------------------
 
     def train(self, tokens: list[list[int]]) -> float | None:
-        from tests.support import mcore_harness as H
+        from nemo_dcr.demo import harness as H
 
         ok, loss = H.train_step(self.model, self.optimizer, [torch.tensor(tokens, dtype=torch.int64)])
         assert ok, "optimizer step failed"
@@ -117,6 +117,6 @@ class MegatronPolicyWorker(MegatronCheckpointEngineSendMixin, PolicyCheckpointEn
     def close(self) -> None:
         if self.checkpoint_engine is not None:
             self.checkpoint_engine.close(shutdown_receivers=self.rank == 0)
-        from tests.support import mcore_harness as H
+        from nemo_dcr.demo import harness as H
 
         H.shutdown()

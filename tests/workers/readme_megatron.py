@@ -25,10 +25,10 @@ def main() -> None:
     from nemo_dcr import registry
     from nemo_dcr.capture import megatron_layout
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
+    from nemo_dcr.demo import harness as H
     from nemo_dcr.layout import LocalParam
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
-    from tests.support import mcore_harness as H
     from tests.test_readme import readme_block
 
     hf_checkpoint_dir, work_dir = sys.argv[1], sys.argv[2]

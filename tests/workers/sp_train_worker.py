@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
 
-    from tests.support import mcore_harness as H
+    from nemo_dcr.demo import harness as H
 
     H.init_distributed(args.tp, 1, ep=args.ep, etp=1, timeout_s=120)
     from megatron.core import parallel_state as ps

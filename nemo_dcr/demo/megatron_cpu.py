@@ -1,10 +1,12 @@
-"""Test-only shim: run megatron-core 0.16.1 on a CPU-only torch build (gloo).
+"""What lets megatron-core (0.16.1) run on a CPU-only torch build (gloo).
 
 Megatron-core hard-codes CUDA in a handful of places that a CPU build of torch
 rejects (``torch.cuda.current_device()`` raises "Torch not compiled with CUDA
 enabled"). Call :func:`install` once, *before* building models / optimizers /
 initialising megatron's parallel state, in every process. It is idempotent and
-does nothing at all when CUDA is available.
+does nothing at all when CUDA is available. `nemo-dcr demo` (`nemo_dcr.demo.harness`)
+and the tests install it; it patches torch process-wide, so the library proper never
+imports it.
 
 What it patches, and why (each item is needed by TP, PP 1F1B, DP with the
 distributed optimizer in bf16, checked with megatron-core 0.16.1):
@@ -41,8 +43,6 @@ Collectives: torch 2.13's gloo supports every collective megatron uses here
 so nothing is rerouted. Megatron's fusions (bias-dropout, rope, softmax,
 gradient-accumulation, cross-entropy) must stay off in the TransformerConfig;
 they need CUDA kernels or ``torch.compile``.
-
-This module must never be imported by library code under ``nemo_dcr/``.
 """
 
 from __future__ import annotations

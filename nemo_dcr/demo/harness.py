@@ -1,8 +1,9 @@
-"""Megatron-core training on CPU (gloo, under torchrun) for tests and examples.
+"""Megatron-core training on CPU (gloo, under torchrun): what the demo's trainer
+(`nemo_dcr.demo.trainer`) trains with; the tests' Megatron workers use it too.
 
 Typical worker::
 
-    from tests.support import mcore_harness as H
+    from nemo_dcr.demo import harness as H
     H.init_distributed(tp=2, pp=2)
     model, opt = H.build_trained_model(hf_config, tp=2, pp=2, lr=1e-3)
     for batch in H.make_batches(hf_config.vocab_size, seq_len=16, micro_batch=2,
@@ -13,7 +14,8 @@ Typical worker::
 Everything here is real megatron-core: local-spec GPTModel (bf16 params), megatron
 DistributedDataParallel (fp32 main grads, grad reduce in fp32), the Megatron optimizer
 (Adam; distributed optimizer by default), and ``get_forward_backward_func()``
-(1F1B under PP, interleaved under virtual PP). The CPU shim is installed first.
+(1F1B under PP, interleaved under virtual PP). `init_distributed` first installs the CPU
+shim (`nemo_dcr.demo.megatron_cpu`; it does nothing where CUDA is available).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.support import megatron_cpu_shim
-
+from nemo_dcr.demo import megatron_cpu
 from nemo_dcr.runtimes.megatron.model import build_model_chunks, transformer_config_from_hf
 
 
@@ -46,7 +47,7 @@ def init_distributed(
     TP tracker states, via the shim on CPU). ``ep`` / ``etp``: expert-parallel and
     expert-tensor-parallel sizes for MoE models (the MoE config uses etp = 1).
     """
-    megatron_cpu_shim.install()
+    megatron_cpu.install()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

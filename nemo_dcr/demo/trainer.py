@@ -1,15 +1,19 @@
 """End-to-end refit loop: a Megatron GPT trains under torchrun and refits rollout
-receivers after every optimizer step, verifying them bit for bit.
+receivers after every optimizer step, proving each receiver's whole state bit for bit.
 
-Run through `nemo-dcr demo` (which also creates the checkpoint and starts the
-receivers), or by hand:
+`nemo-dcr demo` runs it (after creating the version-0 checkpoint and starting the
+receivers); by hand, with receivers already serving that checkpoint:
 
-    python -m torch.distributed.run --nproc-per-node 4 examples/megatron_refit.py \
-        --checkpoint CKPT --tp 2 --receivers rx0,rx1 --transport-config '{"dir": "..."}'
+    python -m torch.distributed.run --nproc-per-node 4 -m nemo_dcr.demo.trainer \\
+        --checkpoint CKPT --tp 2 --receivers rx0,rx1 --state-dir STATE \\
+        --transport-config '{"dir": "/dev/shm/my-job"}'
 
-On a machine without CUDA, megatron-core needs a small shim for its hard-coded
-CUDA calls; it lives with the tests (tests/support) and is installed here only
-when no GPU is present.
+The loop, as a trainer of your own would write it: load version 0 through the family's
+converter, set up `TrainerRefit` over the optimizer's owned shards, refit from the
+optimizer's post-step hook, and check the receivers with `refit.verify()`: each one reads
+its whole state again and must hold the producers' committed whole-state digest (no
+gather of the model anywhere). On a machine without CUDA megatron-core runs through
+`nemo_dcr.demo.megatron_cpu`.
 """
 
 from __future__ import annotations
@@ -19,15 +23,10 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
+import warnings
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.support (CPU shim, harness, reference export)
-
-import warnings  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 # Keep the per-step report readable: megatron-core and torch.distributed warn about
 # optional CUDA libraries and renamed collectives on every rank and every step.
@@ -36,7 +35,8 @@ warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|CUDA_DEVI
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m nemo_dcr.demo.trainer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="version-0 Hugging Face safetensors folder")
     p.add_argument("--family", default="qwen3", help="converter name (default: qwen3)")
     p.add_argument("--qkv-residual", action="store_true",
@@ -61,7 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--results", help="write per-step results as JSON lines here (rank 0)")
-    p.add_argument("--dump-dir", help="after the last step, receivers and the trainer dump full states here")
+    p.add_argument("--dump-dir", help="after the last step, each receiver dumps its full state here "
+                                      "(<id>.safetensors) and rank 0 the committed version and its "
+                                      "state digest (trainer.json)")
     p.add_argument("--shutdown-receivers", action="store_true")
     return p.parse_args(argv)
 
@@ -85,10 +87,9 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        from tests.support import megatron_cpu_shim
+    from nemo_dcr.demo import megatron_cpu
 
-        megatron_cpu_shim.install()
+    megatron_cpu.install()  # before megatron-core is imported; nothing where CUDA is available
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
@@ -96,15 +97,13 @@ def main(argv=None) -> int:
     from nemo_dcr.capture import attach_post_step_hook, megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
     from nemo_dcr.converter import coverage_report, owned_intervals
+    from nemo_dcr.demo import harness as H
     from nemo_dcr.errors import TransferFailed
     from nemo_dcr.layout import LocalParam, ParallelLayout
     from nemo_dcr.malloc import keep_freed_memory
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
     from nemo_dcr.trainer import TrainerRefit, gather_json
-    from nemo_dcr.verify import state_digests
-    from tests.support import mcore_harness as H
-    from tests.support.reference_export import reference_export
 
     H.init_distributed(args.tp, args.pp, vpp=args.vpp, ep=args.ep, etp=1 if args.ep > 1 else None)
     rank = dist.get_rank()
@@ -181,13 +180,11 @@ def main(argv=None) -> int:
             break
         train_s -= res.seconds
         t = time.perf_counter()
-        dense = reference_export(model, hf_config, family=args.family)
-        expected = state_digests(dense) if rank == 0 else None
-        mismatches = refit.verify(expected)
+        mismatches = refit.verify()  # rank 0: {receiver: problems}; each proves its whole state, no gather
         verify_s = time.perf_counter() - t
         if rank == 0:
             m = res.metrics()
-            exact = all(not bad for bad in mismatches.values())
+            exact = bool(mismatches) and all(not bad for bad in mismatches.values())
             all_exact &= exact
             detail = "" if exact else f" {mismatches}"
             print(f"step {step} | loss {loss:.3f} | train {train_s:.1f} s | "
@@ -197,11 +194,10 @@ def main(argv=None) -> int:
                   f"state digest {m['state_digest'][:12]} on {m['digest_checked_receivers']} receivers | "
                   f"bit-exact: {'yes' if exact else 'NO'} ({len(mismatches)} receivers){detail}", flush=True)
             results.append({"step": step, "bit_exact": exact, "mismatches": mismatches, **m})
-    if args.dump_dir and rank == 0:
-        from safetensors.torch import save_file
-
+    if args.dump_dir and rank == 0:  # for an offline check of every element (nemo-dcr demo --dump)
         os.makedirs(args.dump_dir, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in dense.items()}, os.path.join(args.dump_dir, "trainer.safetensors"))
+        with open(os.path.join(args.dump_dir, "trainer.json"), "w") as f:
+            json.dump({"version": refit.baseline.version, "state_digest": refit.state_digest}, f)
         refit.coordinator.verify(dump_dir=args.dump_dir)
     if rank == 0 and args.results:
         with open(args.results, "w") as f:
