@@ -152,46 +152,24 @@ class DirectoryHistory(History):
         shutil.rmtree(self._path(folder), ignore_errors=True)
 
 
-class S3History(History):
-    """History in the bucket of an s3 transport, under `{prefix}/history/`."""
-
-    def __init__(self, transport):
-        from nemo_dcr.transports.s3_store import Missing, ObjectStore
-
-        self._missing = Missing
-        self.store = ObjectStore(transport.s3)
-        self.base = transport.key("history")
-
-    def put(self, name: str, data: bytes) -> None:
-        self.store.put(f"{self.base}/{name}", data)
-
-    def get(self, name: str) -> bytes:
-        try:
-            return self.store.get(f"{self.base}/{name}")
-        except self._missing:
-            raise HistoryMissing(f"history: {name} is missing (in {self.store.at.where}, {self.base}/)") from None
-
-    def names(self, folder: str) -> list[str]:
-        prefix = f"{self.base}/{folder}/"
-        return sorted({k[len(prefix):].split("/", 1)[0] for k, _ in self.store.list(prefix)})
-
-    def remove(self, folder: str) -> None:
-        self.store.delete_prefix(f"{self.base}/{folder}/")
-
-    def close(self) -> None:
-        self.store.close()
-
-
 def open_history(spec, transport=None) -> History | None:
-    """A history from a configuration value: None, a History, "s3" (the bucket of the
-    given s3 transport), or a directory path."""
+    """A history from a configuration value: None, a History, a directory path, or the
+    name of the transport in use (e.g. "s3"): that transport's own store
+    (`Transport.history()`), shared by the trainer and the receivers."""
     if spec is None or isinstance(spec, History):
         return spec
-    if spec == "s3":
-        if transport is None or getattr(transport, "name", None) != "s3":
-            raise ValueError("history 's3' keeps anchors and deltas in the s3 transport's bucket: "
-                             "use it with the s3 transport, or give a directory")
-        return S3History(transport)
+    if isinstance(spec, str) and spec in _transport_names():
+        own = transport.history() if transport is not None and getattr(transport, "name", None) == spec else None
+        if own is None:
+            raise ValueError(f"history {spec!r} keeps anchors and deltas in the {spec} transport's own store: "
+                             f"use it with the {spec} transport (which must keep one), or give a directory")
+        return own
     if isinstance(spec, (str, os.PathLike)):
         return DirectoryHistory(spec)
-    raise ValueError(f"history: expected a directory, 's3' or a History, got {spec!r}")
+    raise ValueError(f"history: expected a directory, a transport's name or a History, got {spec!r}")
+
+
+def _transport_names() -> list[str]:
+    from nemo_dcr import registry
+
+    return registry.available("nemo_dcr.transports")

@@ -152,6 +152,12 @@ class Transport(ABC):
         None (the default): files in `state_dir` (`nemo_dcr.commit.commit_log_for`)."""
         return None
 
+    def history(self):
+        """The transport's own store of committed deltas and anchors (a
+        `nemo_dcr.history.History`), used when a history is configured by the transport's
+        name; None (the default): it keeps none, give a directory."""
+        return None
+
     def cleanup(self) -> None:
         """Remove whatever the transport left behind (segments, sockets, objects)."""
 

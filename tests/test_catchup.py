@@ -40,7 +40,7 @@ def history(request, tmp_path):
     if request.param == "directory":
         yield DirectoryHistory(tmp_path / "history")
         return
-    from nemo_dcr.history import S3History
+    from nemo_dcr.transports.s3_history import S3History
     from tests.support.transports import open_transport
 
     bucket = open_transport("s3", tmp_path, ["unused"])  # only its bucket: the refits go over "local"

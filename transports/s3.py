@@ -181,6 +181,12 @@ class S3Transport(Transport):
         coordinators in different places see the same records."""
         return S3CommitLog(self)
 
+    def history(self):
+        """Committed deltas and anchors in the bucket (`{prefix}/history/`)."""
+        from nemo_dcr.transports.s3_history import S3History
+
+        return S3History(self)
+
     def cleanup(self) -> None:
         store = ObjectStore(self.s3)
         try:
