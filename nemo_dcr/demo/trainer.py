@@ -90,16 +90,15 @@ def main(argv=None) -> int:
     from nemo_dcr.demo import megatron_cpu
 
     megatron_cpu.install()  # before megatron-core is imported; nothing where CUDA is available
-    from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
     from nemo_dcr import registry
-    from nemo_dcr.capture import attach_post_step_hook, megatron_owned_ranges
+    from nemo_dcr.capture import attach_post_step_hook, megatron_layout, megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
     from nemo_dcr.converter import coverage_report, owned_intervals
     from nemo_dcr.demo import harness as H
     from nemo_dcr.errors import TransferFailed
-    from nemo_dcr.layout import LocalParam, ParallelLayout
+    from nemo_dcr.layout import LocalParam
     from nemo_dcr.malloc import keep_freed_memory
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
@@ -111,12 +110,7 @@ def main(argv=None) -> int:
     specs = read_specs(args.checkpoint)
     options = {"qkv_as_residual": True} if args.qkv_residual else {}
     converter = registry.converter(args.family, hf_config, **options)
-    layout = ParallelLayout(tp_size=args.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
-                            pp_size=args.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                            dp_size=H.dp_size(), dp_rank=H.dp_rank(),
-                            ep_size=args.ep, ep_rank=ps.get_expert_model_parallel_rank(),
-                            etp_size=ps.get_expert_tensor_parallel_world_size(),
-                            etp_rank=ps.get_expert_tensor_parallel_rank())
+    layout = megatron_layout()
     vpp = f" (x{args.vpp} virtual)" if args.vpp else ""
     ep = f" EP={args.ep}" if args.ep > 1 else ""
     sp = " SP" if args.sp else ""

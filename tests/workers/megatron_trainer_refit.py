@@ -43,17 +43,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
     from tests.support.reference_export import reference_export
 
     from nemo_dcr import registry
-    from nemo_dcr.capture import megatron_owned_ranges
+    from nemo_dcr.capture import megatron_layout, megatron_owned_ranges
     from nemo_dcr.checkpoint import CheckpointReader, read_specs
     from nemo_dcr.demo import harness as H
-    from nemo_dcr.layout import LocalParam, ParallelLayout
+    from nemo_dcr.layout import LocalParam
     from nemo_dcr.records import Op
     from nemo_dcr.runtimes.megatron.load import load_into
     from nemo_dcr.runtimes.megatron.model import megatron_param_name_map
@@ -66,9 +65,7 @@ def main() -> None:
     specs = read_specs(args.checkpoint)
     options = {"qkv_as_residual": True} if args.qkv_residual else {}
     converter = registry.converter(args.family, hf_config, **options)
-    layout = ParallelLayout(tp_size=args.tp, tp_rank=ps.get_tensor_model_parallel_rank(),
-                            pp_size=args.pp, pp_rank=ps.get_pipeline_model_parallel_rank(),
-                            dp_size=H.dp_size(), dp_rank=H.dp_rank())
+    layout = megatron_layout()
     model, optimizer = H.build_trained_model(hf_config, args.tp, args.pp, lr=args.lr)
     params = megatron_param_name_map(model)
     local = [LocalParam(n, tuple(p.shape), p.dtype) for n, p in params.items()]
