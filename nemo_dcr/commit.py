@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -102,6 +103,11 @@ class Coordinator:
         # After `begin`: receivers that refused because they do not hold the base (its digest
         # or version), with their per-tensor digests where they know them.
         self.resync_needed: dict[str, dict[str, str] | None] = {}
+        # This coordinator's session (control_auth): receivers let each message act once, in
+        # order, and refuse those of sessions that started before it.
+        self.session, self.session_start, self.seq = uuid.uuid4().hex, time.time(), 0
+        self._sending = threading.Lock()  # counters leave in the order they are given
+        self._begun: tuple[str, int] | None = None  # (transfer id, counter) of the last begin: what 'applied' answers
 
     def new_transfer(self, producers: list[str], *, readback: bool = False, base_digest: str = "") -> TransferInfo:
         tid = f"v{self.version}-v{self.version + 1}-{uuid.uuid4().hex[:8]}"
@@ -124,8 +130,9 @@ class Coordinator:
         self.resync_needed = {}
         redo, self.redo = sorted(self.redo) if info.attempt else [], set()
         try:
-            self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json(), "redo": redo})
-            replies, problems = self._collect("ready", info.transfer_id)
+            seq = self._broadcast("begin", {"transfer_id": info.transfer_id, "transfer": info.to_json(), "redo": redo})
+            self._begun = (info.transfer_id, seq)
+            replies, problems = self._collect("ready", info.transfer_id, seq)
         except TransportError as e:
             return [str(e)]
         finally:
@@ -145,17 +152,27 @@ class Coordinator:
         catalog = {name: [dtype, [int(s) for s in shape]] for name, (dtype, shape) in specs.items()}
         self._broadcast("catalog", {"catalog": catalog, "version": self.version})
 
-    def _broadcast(self, kind: str, meta: dict) -> None:
-        self.end.broadcast(kind, sign(self.key, kind, meta))
+    def _broadcast(self, kind: str, meta: dict) -> int:
+        """Send `meta`, placed in this session (signed with it); returns its counter."""
+        with self._sending:
+            self.seq += 1
+            place = {"session": self.session, "session_start": self.session_start, "seq": self.seq,
+                     "issued_at": time.time()}
+            self.end.broadcast(kind, sign(self.key, kind, {**meta, **place}))
+            return self.seq
 
-    def _collect(self, kind: str, transfer_id: str) -> tuple[dict[str, dict], list[str]]:
-        """Replies whose MAC (with a key) checks out, and a problem for each one that does not."""
+    def _collect(self, kind: str, transfer_id: str, seq: int | None) -> tuple[dict[str, dict], list[str]]:
+        """Replies whose MAC (with a key) checks out and that answer request `seq` of this
+        session, and a problem for each one that does not."""
         replies = self.end.collect(kind, transfer_id, self.timeout_s)
         good, problems = {}, []
         for rx, msg in sorted(replies.items()):
             why = check(self.key, kind, msg)
             if why is None and self.key is not None and msg.get("receiver") != rx:
                 why = f"signed by {msg.get('receiver')!r}, delivered as {rx!r}"
+            if why is None and self.key is not None and (msg.get("session"), msg.get("seq")) != (self.session, seq):
+                why = (f"its '{kind}' answers message {msg.get('seq')} of session {msg.get('session')}, not "
+                       f"{seq} of {self.session} (replayed, or late)")
             if why is None:
                 good[rx] = msg
             else:
@@ -182,7 +199,8 @@ class Coordinator:
         t = time.perf_counter()
         if not reasons:
             try:
-                replies, problems = self._collect("applied", info.transfer_id)
+                begun = self._begun[1] if self._begun and self._begun[0] == info.transfer_id else None
+                replies, problems = self._collect("applied", info.transfer_id, begun)
                 reasons += problems + [f"{r}: {m['error']}" for r, m in sorted(replies.items()) if m.get("error")]
             except TransportError as e:
                 reasons.append(str(e))
@@ -240,17 +258,16 @@ class Coordinator:
         """Every receiver's serving version and per-tensor digests (and, with
         `dump_dir`, its full state written there as <receiver>.safetensors)."""
         tag = f"verify-{uuid.uuid4().hex[:8]}"
-        self._broadcast("verify", {"transfer_id": tag, "dump_dir": dump_dir})
-        replies, problems = self._collect("verified", tag)
+        seq = self._broadcast("verify", {"transfer_id": tag, "dump_dir": dump_dir})
+        replies, problems = self._collect("verified", tag, seq)
         for problem in problems:  # an unverifiable reply proves nothing: report it as such
             rx = problem.split(":", 1)[0]
             replies[rx] = {"receiver": rx, "version": None, "digests": {}, "error": problem}
         return replies
 
     def shutdown(self) -> None:
-        """Stop every receiver. Signed with its time of issue and a fresh nonce: a
-        receiver takes a shutdown once, and only while it is fresh (control_auth)."""
-        self._broadcast("shutdown", {"nonce": uuid.uuid4().hex, "issued_at": time.time()})
+        """Stop every receiver (each takes this message once: control_auth)."""
+        self._broadcast("shutdown", {})
 
 
 def readback_mismatch(expected: dict[str, dict[str, str]], reply: dict) -> tuple[str | None, list[str]]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.catchup import catch_up
 from nemo_dcr.commit import payload_set_digest
-from nemo_dcr.control_auth import check, shutdown_problem, sign
+from nemo_dcr.control_auth import ReplayGuard, answering, check, sign
 from nemo_dcr.digest import StateDigest
 from nemo_dcr.errors import ApplyError, DCRError, KeyMismatch, PayloadRejected, TransportError
 from nemo_dcr.history import open_history
@@ -62,6 +62,7 @@ class _Transfer:
     """One attempt of a lineage."""
 
     info: TransferInfo
+    request: dict = field(default_factory=dict)  # the begin's session and counter, which 'applied' answers
     skip: bool = False  # a resync this receiver does not need: its payloads are acknowledged, not decoded
     staged: dict[str, Payload] = field(default_factory=dict)
     staged_bytes: int = 0
@@ -145,7 +146,8 @@ class Receiver:
         if self.digest_scope == "all":
             self.rescan()
         self.resyncs = 0  # dense resyncs this receiver took
-        self._shutdowns: set[str] = set()  # nonces of the shutdowns taken (a replay is ignored)
+        self.guard = ReplayGuard()  # the coordinator's session heard here: a replayed message acts no more
+        self.refused: str | None = None  # why the last control message handled was refused (None: it acted)
         self.key_mismatch_exit_s = key_mismatch_exit_s
         self._authenticated = False  # a control message has authenticated: the key is the producers'
         self._first_rejected: float | None = None  # when the first control message failed authentication
@@ -246,19 +248,14 @@ class Receiver:
         """Process one event; False once asked to shut down."""
         kind, meta = event.kind, event.meta
         try:
-            why = None if kind in ("payload", "manifest") else check(self.key, kind, meta)
-            if why is not None:  # payloads carry their own HMAC; manifests are checked end to end
-                self._rejected(kind, why)
-                if kind == "begin" and isinstance(meta.get("transfer_id"), str):
-                    self._reply("ready", {"transfer_id": meta["transfer_id"],
-                                          "error": f"receiver {self.id} rejected the begin: {why}"})
+            # payloads carry their own HMAC; manifests are checked end to end
+            self.refused = None if kind in ("payload", "manifest") else self._refusal(kind, meta)
+            if self.refused is not None:
                 return True
-            if kind not in ("payload", "manifest"):
-                self._authenticated = True
             if kind == "payload":
                 self._on_payload(event)
             elif kind == "begin":
-                self._on_begin(TransferInfo.from_json(meta["transfer"]), meta.get("redo") or [])
+                self._on_begin(TransferInfo.from_json(meta["transfer"]), meta.get("redo") or [], meta)
             elif kind == "manifest":
                 self._on_manifest(meta)
             elif kind == "commit":
@@ -268,13 +265,32 @@ class Receiver:
             elif kind == "verify":
                 self._on_verify(meta)
             elif kind == "shutdown":
-                why = shutdown_problem(meta, self._shutdowns, time.time()) if self.key is not None else None
-                if why is None:
-                    return False
-                self.log(f"[{self.id}] ignored a control message: {why}")
+                return False
         finally:
             event.release()
         return True
+
+    def _refusal(self, kind: str, meta: dict) -> str | None:
+        """Why a control message must not act (None when it may): it fails authentication,
+        or it was heard before or belongs to an older session (`ReplayGuard`). Logged; a
+        refused begin is answered with the reason, unless it replays one of the current
+        session (whose coordinator has this receiver's answer already)."""
+        why = check(self.key, kind, meta)
+        if why is not None:
+            self._rejected(kind, why)
+            answer = True
+        else:
+            self._authenticated = True
+            current = self.guard.session
+            why = None if self.key is None else self.guard.problem(kind, meta, time.time())
+            if why is None:
+                return None
+            self.log(f"[{self.id}] ignored a '{kind}' control message: {why}")
+            answer = meta.get("session") != current
+        if answer and kind == "begin" and isinstance(meta.get("transfer_id"), str):
+            self._reply("ready", {"transfer_id": meta["transfer_id"],
+                                  "error": f"receiver {self.id} refused the begin: {why}"}, meta)
+        return why
 
     def _rejected(self, kind: str, why: str) -> None:
         """Log a control message that failed authentication (the first with what it means)."""
@@ -288,11 +304,13 @@ class Receiver:
 
     # --- handlers -------------------------------------------------------------------
 
-    def _on_begin(self, info: TransferInfo, redo: list[str] = ()) -> None:
-        """`redo`: payloads read back wrong somewhere: finished here, they count as uncertain."""
+    def _on_begin(self, info: TransferInfo, redo: list[str] = (), request: dict | None = None) -> None:
+        """`redo`: payloads read back wrong somewhere: finished here, they count as uncertain.
+        `request`: the begin message (its session and counter are echoed in the replies)."""
+        request = answering(request or {})
         self.current = None
         if info.resync:
-            return self._on_resync(info)
+            return self._on_resync(info, request)
         lin = self.lineage
         if lin is not None and lin.complete and info.base_version == lin.target:
             # A coordinator starts from v+1 only once v+1 is committed: this receiver
@@ -307,7 +325,7 @@ class Receiver:
         if error:
             # A receiver that does not hold the base asks the producers for a dense resync.
             self._reply("ready", {"transfer_id": info.transfer_id, "error": error, "resync": True,
-                                  "state_digest": self.state.to_json() if self.state is not None else None})
+                                  "state_digest": self.state.to_json() if self.state is not None else None}, request)
             return
         if lin is None:
             lin = self.lineage = _Lineage(info.lineage_id, info.base_version, info.target_version)
@@ -317,9 +335,9 @@ class Receiver:
         if redone and self.digest_scope == "all":
             self.rescan()  # its bits were found not to be what it applied: its digest is read back too
         lin.complete = False
-        self.current = _Transfer(info)
+        self.current = _Transfer(info, request)
         self._reply("ready", {"transfer_id": info.transfer_id, "error": None,
-                              "finished": sorted(lin.finished), "uncertain": lin.uncertain})
+                              "finished": sorted(lin.finished), "uncertain": lin.uncertain}, request)
 
     def _ready_for(self, info: TransferInfo) -> str | None:
         """Why a new lineage cannot start here (None when it can), after catching up
@@ -347,7 +365,7 @@ class Receiver:
             return f"receiver {self.id} could not catch up to version {info.base_version}: {e}"
         return None
 
-    def _on_resync(self, info: TransferInfo) -> None:
+    def _on_resync(self, info: TransferInfo, request: dict) -> None:
         """A dense resync of version `info.base_version`: taken when this receiver does not
         hold it (its digest, version or bits say so), acknowledged without decoding otherwise."""
         lin = self.lineage
@@ -357,15 +375,16 @@ class Receiver:
             self._unwind(f"superseded by resync {info.transfer_id}")
         need = (self.uncertain_state or (info.base_version != self.serving_version and "another version")
                 or (self.digest_scope == "all" and self.state_digest != info.base_digest and "another digest"))
-        self.current = _Transfer(info, skip=not need)
+        self.current = _Transfer(info, request, skip=not need)
         if need:
             self.lineage = _Lineage(info.lineage_id, info.base_version, info.target_version, resync=True)
             self.log(f"[{self.id}] taking resync {info.transfer_id} of version {info.base_version} ({need})")
         self._reply("ready", {"transfer_id": info.transfer_id, "error": None, "skip": not need,
-                              "finished": [], "uncertain": []})
+                              "finished": [], "uncertain": []}, request)
 
-    def _reply(self, kind: str, meta: dict) -> None:
-        self.end.reply(kind, sign(self.key, kind, {**meta, "receiver": self.id}))
+    def _reply(self, kind: str, meta: dict, request: dict) -> None:
+        """Answer `request` (a coordinator message): its session and counter go along, signed."""
+        self.end.reply(kind, sign(self.key, kind, {**meta, **answering(request), "receiver": self.id}))
 
     def _on_payload(self, event) -> None:
         meta = event.meta
@@ -505,7 +524,7 @@ class Receiver:
             "cpu_s": time.process_time() - cur.cpu_at_start,
             **({"readback": self.lineage.readback if self.lineage else {}, "readback_scope": self.readback_scope,
                 "readback_s": cur.readback_s} if cur.info.readback else {}),
-        })
+        }, cur.request)
 
     def _on_commit(self, meta: dict) -> None:
         cur = self.current
@@ -557,7 +576,7 @@ class Receiver:
             path = os.path.join(meta["dump_dir"], f"{self.id}.safetensors")
             save_file({k: v.detach().contiguous().cpu() for k, v in self.runtime.canonical_state().items()}, path)
             reply["dump"] = path
-        self._reply("verified", reply)
+        self._reply("verified", reply, meta)
 
     def digests(self) -> dict[str, str]:
         """XXH3-128 of every canonical tensor's stored bits (for end-state checks)."""

@@ -13,11 +13,14 @@ peers that did not answer.
 from __future__ import annotations
 
 import json
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nemo_dcr.errors import TransportError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,14 @@ class CoordinatorEnd(ABC):
 
         Raises TransportError naming the receivers that did not answer in time.
         """
+
+    @staticmethod
+    def passed_over(msg: dict, kind: str, transfer_id: str) -> None:
+        """Log a reply `collect` read and left out: it answers another request (a late
+        answer to an earlier one, or a replayed one)."""
+        log.info("coordinator: ignored a %r reply of %r for transfer %r while collecting %r for %r: it answers "
+                 "another request (late, or replayed)", msg.get("kind"), msg.get("receiver"), msg.get("transfer_id"),
+                 kind, transfer_id)
 
     @abstractmethod
     def close(self) -> None: ...

@@ -20,14 +20,16 @@ KEY = b"shared-control-key"
 
 
 def test_sign_and_check():
-    meta = sign(KEY, "commit", {"transfer_id": "t1", "version": 3})
+    place = {"session": "s", "session_start": 1.0, "seq": 1, "issued_at": 2.0}
+    meta = sign(KEY, "commit", {"transfer_id": "t1", "version": 3, **place})
     assert check(KEY, "commit", meta) is None
     assert check(KEY, "commit", {**meta, "kind": "commit", "receiver": "rx0"}) is None  # transport fields
     assert "wrong MAC" in check(KEY, "commit", {**meta, "version": 4})
     assert "wrong MAC" in check(b"other", "commit", meta)
     assert "wrong MAC" in check(KEY, "abort", {**meta, "reason": "x", "signed": meta["signed"] + ["reason"]})
     assert "unsigned" in check(KEY, "commit", {"transfer_id": "t1", "version": 3})
-    assert "signs too little" in check(KEY, "commit", sign(KEY, "commit", {"transfer_id": "t1"}))
+    assert "signs too little" in check(KEY, "commit", sign(KEY, "commit", {"transfer_id": "t1", **place}))
+    assert "signs too little" in check(KEY, "commit", sign(KEY, "commit", {"transfer_id": "t1", "version": 3}))
     assert check(None, "commit", {"anything": 1}) is None and sign(None, "commit", {"a": 1}) == {"a": 1}
 
 
@@ -55,13 +57,18 @@ def test_forged_control_messages_change_nothing(checkpoint, tmp_path):  # noqa: 
         s.close()
 
 
+def _shutdown(session: str, start: float, seq: int, issued_at: float) -> dict:
+    return sign(KEY, "shutdown", {"session": session, "session_start": start, "seq": seq, "issued_at": issued_at})
+
+
 def test_a_captured_shutdown_cannot_be_replayed(checkpoint, tmp_path):  # noqa: F811
-    """A signed shutdown taken off the wire and sent again later is ignored: stale after
-    SHUTDOWN_MAX_AGE_S, and by a receiver that took its nonce already."""
+    """A signed shutdown sent again later is ignored: from a session older than the one a
+    receiver heard, opening a session more than MAX_AGE_S off its clock, or already taken
+    (tests/test_control_replay.py replays every kind from real runs)."""
     import torch
 
     from nemo_dcr import registry
-    from nemo_dcr.control_auth import SHUTDOWN_MAX_AGE_S
+    from nemo_dcr.control_auth import MAX_AGE_S
     from nemo_dcr.receiver import Receiver
     from nemo_dcr.runtimes.store import TensorStoreRuntime
     from nemo_dcr.transport import Event
@@ -70,7 +77,7 @@ def test_a_captured_shutdown_cannot_be_replayed(checkpoint, tmp_path):  # noqa: 
     try:
         s.step()
         assert s.refit.refit().decision.version == 1
-        captured = sign(KEY, "shutdown", {"nonce": "n-1", "issued_at": time.time() - SHUTDOWN_MAX_AGE_S - 60})
+        captured = _shutdown("s-1", 0.0, 1, time.time() - MAX_AGE_S - 60)
         replayer = s.transport.coordinator()  # an intruder that reaches the receivers' sockets
         replayer.broadcast("shutdown", captured)  # a replay, minutes late
         replayer.close()
@@ -83,12 +90,14 @@ def test_a_captured_shutdown_cannot_be_replayed(checkpoint, tmp_path):  # noqa: 
     end = registry.transport("local", {"dir": str(tmp_path / "shm2")}, receivers=["rx"]).receiver("rx")
     rx = Receiver("rx", TensorStoreRuntime({"w": torch.zeros(4)}), end, key=KEY)
     try:
-        fresh = sign(KEY, "shutdown", {"nonce": "n-2", "issued_at": time.time()})
+        stale = _shutdown("s-2", time.time() - MAX_AGE_S - 90, 1, time.time() - MAX_AGE_S - 60)
+        assert rx.handle(Event("shutdown", stale)) is True  # opens a session, long after it was issued
+        fresh = _shutdown("s-3", time.time(), 1, time.time())
         assert rx.handle(Event("shutdown", dict(fresh))) is False  # taken: stop
         assert rx.handle(Event("shutdown", dict(fresh))) is True  # the same message again: ignored
-        ahead = sign(KEY, "shutdown", {"nonce": "n-3", "issued_at": time.time() + SHUTDOWN_MAX_AGE_S + 60})
+        ahead = _shutdown("s-4", time.time() + 1, 1, time.time() + MAX_AGE_S + 60)
         assert rx.handle(Event("shutdown", ahead)) is True
-        assert rx.handle(Event("shutdown", sign(KEY, "shutdown", {"nonce": "n-4"}))) is True  # signs too little
+        assert rx.handle(Event("shutdown", sign(KEY, "shutdown", {"issued_at": time.time()}))) is True  # too little
     finally:
         end.close()
 
@@ -180,6 +189,8 @@ def _tiny_refit(tmp_path, trainer_key: bytes, receiver_key: bytes, exit_s: float
         committed = False
     refit.close(shutdown_receivers=True)
     thread.join(exit_s + 10)
+    if not thread.is_alive():
+        rx.end.close()  # left to the garbage collector, its zmq context can block the interpreter's exit
     transport.cleanup()
     return committed, thread.is_alive(), raised, logged
 

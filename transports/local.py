@@ -262,6 +262,8 @@ class _LocalCoordinator(CoordinatorEnd):
             mine = msg.get("transfer_id") == transfer_id and msg.get("receiver") in self.t.receivers
             if msg["kind"] == kind and mine:
                 replies[msg["receiver"]] = msg
+            else:
+                self.passed_over(msg, kind, transfer_id)
         return replies
 
     def close(self):

@@ -410,6 +410,8 @@ class _Coordinator(CoordinatorEnd):
                 continue
             if msg["kind"] == kind and msg.get("transfer_id") == transfer_id and msg.get("receiver") in replies_from:
                 replies[msg["receiver"]] = msg
+            else:
+                self.passed_over(msg, kind, transfer_id)
         return replies
 
     def close(self):

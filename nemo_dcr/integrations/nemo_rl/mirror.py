@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from nemo_dcr import dtypes
-from nemo_dcr.control_auth import check
+from nemo_dcr.control_auth import ReplayGuard, check
 from nemo_dcr.integrations.nemo_rl.config import DCRRefitConfig
 from nemo_dcr.integrations.nemo_rl.transfer_wait import UpdateFailed, finish_transfer
 from nemo_dcr.runtimes.base import UndoLog
@@ -77,6 +77,7 @@ class MirrorReceiver:
         self.key = settings.key()
         self.end = transport.receiver(receiver_id)
         self.receiver = None  # built from the first catalog
+        self.guard = ReplayGuard()  # the trainer's session, for catalogs and (shared) the receiver's messages
         self.reload_all = False  # vLLM may hold a mix of versions: load every tensor next time
         self.last: dict = {}
 
@@ -118,6 +119,8 @@ class MirrorReceiver:
         meta = event.meta
         try:
             why = check(self.key, "catalog", meta)
+            if why is None and self.key is not None:
+                why = self.guard.problem("catalog", meta, time.time())
             if why is not None:
                 log.warning("[%s] ignored a catalog: %s", self.id, why)
                 return
@@ -146,6 +149,7 @@ class MirrorReceiver:
             return
         self.receiver = Receiver(self.id, runtime, self.end, version=version, key=self.key,
                                  state_digest=self.settings.state_digest, log=log.info)
+        self.receiver.guard = self.guard  # one memory of the trainer's sessions, catalogs included
         # Zeros are no version: the first transfer's begin asks for a dense resync.
         self.receiver.uncertain_state = "its canonical mirror was just built and holds no version yet"
         self.reload_all = True

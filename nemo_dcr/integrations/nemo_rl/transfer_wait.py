@@ -42,11 +42,13 @@ def finish_transfer(receiver: Callable, end, receiver_id: str, timeout_s: float,
         if rx is None:  # nothing to take it with yet: the catalog comes first
             event.release()
             continue
-        if kind == "begin" and not (meta.get("transfer") or {}).get("resync"):
-            begun.add(str(meta.get("transfer_id")))
         cur = rx.current
         ours = cur is not None and not cur.info.resync and cur.info.transfer_id == meta.get("transfer_id")
         alive = rx.handle(event)
+        if rx.refused is not None:
+            continue  # forged, replayed or from an older trainer: it decides nothing here either
+        if kind == "begin" and not (meta.get("transfer") or {}).get("resync"):
+            begun.add(str(meta.get("transfer_id")))
         if kind == "commit" and ours and rx.current is None:
             return cur
         if kind == "abort" and meta.get("transfer_id") in begun:
