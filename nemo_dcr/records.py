@@ -25,6 +25,19 @@ AUTO = "auto"
 
 
 @dataclass(frozen=True)
+class BaseSpan:
+    """Committed bits of a canonical tensor's flat positions lo .. lo + bits.size (unsigned
+    integers of the dtype's width): what producer and receivers both hold before a refit."""
+
+    lo: int
+    bits: np.ndarray
+
+    @property
+    def hi(self) -> int:
+        return self.lo + int(self.bits.size)
+
+
+@dataclass(frozen=True)
 class Record:
     """Changes to one canonical tensor.
 
@@ -32,6 +45,8 @@ class Record:
     values: unsigned bit values (width = dtype itemsize), one per position.
     codec.encode also takes both as torch tensors on one device (integer positions, integer
     value bits): format v6 codes them there (nemo_dcr.wire.prefix). Decoded records hold arrays.
+    base: the committed bits of a span holding every position, which the encoder may code
+    the record against (nemo_dcr.wire.conditioned); never on the wire, None when decoded.
     """
 
     name: str
@@ -40,6 +55,7 @@ class Record:
     op: Op
     positions: np.ndarray
     values: np.ndarray
+    base: BaseSpan | None = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 import torch
@@ -29,14 +29,14 @@ import zstandard
 
 from .. import dtypes
 from ..errors import PayloadRejected
-from ..records import Op, Payload, PayloadHeader, Record
-from . import prefix
+from ..records import BaseSpan, Op, Payload, PayloadHeader, Record
+from . import conditioned, prefix
 from .errors import Malformed, PositionsError
 from .frame import FRAME_HEAD_BYTES, MAX_WINDOW, bytes_view, check_trailer, key_bytes, parse_frame_head, seal, \
     section_bytes, sniff
 from .gaps import GapsParts, GapsReader, encode_gaps_rans, gaps_parts
-from .header import JOINT, PREFIX_CODED, STORED, DecodeLimits, Expected, RecordMeta, check_catalog, check_expected, \
-    check_identity, numel_of, parse_header
+from .header import BASELINE, CONDITIONED, JOINT, PREFIX_CODED, STORED, DecodeLimits, Expected, RecordMeta, \
+    check_catalog, check_expected, check_identity, numel_of, parse_header
 from .joint import decode_joint_gaps, encode_joint
 from .positions import check_positions, decode_runs, encode_runs
 from .rans import chunks_size, decode_rans_pair, encode_rans_chunks, encode_rans_pair
@@ -50,7 +50,7 @@ _SMALL = 64
 
 
 # What the encoder stores raw: rANS output is incompressible, zstd would only cost time.
-_STORED_ENCODINGS = frozenset({"gaps_rans", "symbols_rans", *JOINT, *PREFIX_CODED})
+_STORED_ENCODINGS = frozenset({"gaps_rans", "symbols_rans", *JOINT, *PREFIX_CODED, *CONDITIONED})
 
 
 class _Rejecting:
@@ -128,7 +128,7 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
         numel = numel_of(shape)
         if numel is None:
             raise ValueError(f"{where}: shape {shape} has a negative dim or > 2**63 elements")
-        coded = None
+        coded, base = None, r.base
         if isinstance(r.positions, torch.Tensor) or isinstance(r.values, torch.Tensor):
             r, coded = _tensor_record(r, dt, numel, where, version == DEVICE_FORMAT, cctx)
         if coded is not None:
@@ -150,10 +150,17 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
                 raise ValueError(f"{where}: {vals.shape[0]} values for {pos.shape[0]} positions")
             pchoice, vchoice = _encode_record(pos, vals, dt, op, numel, cctx, dense, where, gaps)
         count = int(pos.shape[0])
+        baseline = None
+        if base is not None and dense != "always":
+            cond = _conditioned(pos, vals, dt, op, numel, base, where, pchoice.size + vchoice.size)
+            if cond is not None:
+                pchoice, vchoice, baseline = cond
         pmeta = {"encoding": pchoice.encoding, **place(pchoice if pchoice.frame is not None else None)}
         vmeta = {"encoding": vchoice.encoding, "width": dt.itemsize, **place(vchoice)}
         metas.append({"name": r.name, "dtype": dt.name, "shape": list(shape), "op": op.value,
                       "count": count, "positions": pmeta, "values": vmeta})
+        if baseline is not None:
+            metas[-1][BASELINE] = baseline
         for other in seen.get(r.name, []):
             if other.dtype != r.dtype or tuple(other.shape) != shape:
                 raise ValueError(f"{where} appears twice with different dtype/shape")
@@ -243,6 +250,33 @@ def _encode_record(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, 
         if dense == "always" or dchoice.size < pchoice.size + vchoice.size:
             return _Choice("dense", None), dchoice
     return pchoice, vchoice
+
+
+# Conditioned coding is tried for records of at least this many changes (below it, its
+# tables and the baseline's header field cost more than the conditioning saves).
+_CONDITIONED_MIN = 256
+_BASELINE_FIELD_BYTES = 64  # what a record's "baseline" adds to the header, about
+
+
+def _conditioned(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: Op, numel: int, base: BaseSpan,
+                 where: str, plain_size: int) -> tuple[_Choice, _Choice, dict[str, Any]] | None:
+    """The record coded against `base` (nemo_dcr.wire.conditioned), with its header field,
+    when that is smaller on the wire than `plain_size` bytes; else None."""
+    count = int(pos.size)
+    if not (conditioned.eligible(dt, op) and _CONDITIONED_MIN <= count < numel):
+        return None
+    bits = np.asarray(base.bits)
+    if bits.ndim != 1 or bits.dtype.itemsize != dt.itemsize or not 0 <= base.lo <= base.hi <= numel:
+        raise ValueError(f"{where}: base must be a 1-D array of {dt.itemsize}-byte bits within the tensor's "
+                         f"{numel} elements, got {bits.dtype} shape {bits.shape} at {base.lo}")
+    if count > bits.size or int(pos[0]) < base.lo or int(pos[-1]) >= base.hi:
+        return None  # not every change lies in the span: coded as usual
+    psec, vsec = conditioned.encode_conditioned(pos, vals, dt, op, BaseSpan(base.lo, bits))
+    if len(psec) + len(vsec) + _BASELINE_FIELD_BYTES >= plain_size:
+        return None
+    field = {"lo": int(base.lo), "n": int(bits.size), "xxh3": conditioned.baseline_digest(bits)}
+    return (_Choice(CONDITIONED[0], [psec], len(psec), stored=True, size=len(psec)),
+            _Choice(CONDITIONED[1], [vsec], len(vsec), stored=True, size=len(vsec)), field)
 
 
 def _best_positions(pos: np.ndarray, cctx: zstandard.ZstdCompressor,
@@ -365,6 +399,8 @@ def decode(
     catalog: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
     expected: Expected | None = None,
     limits: DecodeLimits = DecodeLimits(),
+    baselines: conditioned.BaselineSource | None = None,
+    held: Collection[str] | None = None,
 ) -> Payload:
     """Validate and decode a payload (format v5 or v6); raise PayloadRejected(payload_id, reason) if bad.
 
@@ -372,6 +408,10 @@ def decode(
          rejected when no key is given (it cannot be verified).
     catalog: canonical name -> (dtype name, shape) the receiver serves.
     expected: transfer id / versions the receiver is waiting for.
+    baselines: the receiver's committed canonical bits, for records coded against them
+         (nemo_dcr.wire.conditioned); without it such a record is rejected.
+    held: the tensors this decoder applies (None: all). A conditioned record of another
+         tensor is left out of the decoded payload: its baseline is not here to decode it.
     """
     kbytes = key_bytes(key) if key is not None else None
     mv = bytes_view(data)
@@ -391,7 +431,8 @@ def decode(
         # Read-only: stored sections are read in place, and nothing here may write to the caller's buffer.
         body = mv[FRAME_HEAD_BYTES + hlen:FRAME_HEAD_BYTES + hlen + body_len].toreadonly()
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-        records = [_decode_record(m, body, dctx) for m in metas]
+        records = [_decode_record(m, body, dctx, baselines) for m in metas
+                   if held is None or m.baseline is None or m.name in held]
         _check_no_overlap(records)
         return Payload(header=header, records=records)
 
@@ -430,8 +471,11 @@ def _overlap(arrays: list) -> bool:
     return bool(allp.size > 1 and np.any(allp[1:] == allp[:-1]))
 
 
-def _decode_record(m: RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor) -> Record:
+def _decode_record(m: RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor,
+                   baselines: conditioned.BaselineSource | None = None) -> Record:
     where = f"record {m.name!r}"
+    if m.baseline is not None:
+        return _decode_conditioned(m, body, dctx, where, baselines)
     nvals = m.numel if m.positions_encoding == "dense" else m.count
     pos = gaps = None
     if m.positions_encoding not in ("all", "dense"):
@@ -474,6 +518,25 @@ def _decode_record(m: RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompre
     if not vals.flags.writeable:
         vals = vals.copy()
     return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals)
+
+
+def _decode_conditioned(m: RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor, where: str,
+                        baselines: conditioned.BaselineSource | None) -> Record:
+    b = m.baseline
+    span = f"{m.name}[{b.lo}:{b.lo + b.n}]"
+    bits = baselines.bits(m.name, b.lo, b.lo + b.n) if baselines is not None else None
+    if bits is None:
+        raise Malformed(f"{where} is coded against the committed bits of {span}, which this receiver "
+                        "does not hold (a runtime without them keeps a canonical mirror: docs/wire-format.md)")
+    if conditioned.baseline_digest(bits) != b.xxh3:
+        raise Malformed(f"{where}: the producer coded it against other bits of {span} than this receiver "
+                        "holds (baseline digest differs): not decoded, nothing written")
+    psec = section_bytes(body, m.positions, f"{where} positions", dctx)
+    vsec = section_bytes(body, m.values, f"{where} values", dctx)
+    with _AsBad(f"{where} conditioned"):
+        pos, vals = conditioned.decode_conditioned(np.frombuffer(psec, np.uint8), np.frombuffer(vsec, np.uint8),
+                                                   m.count, m.dtype, m.op, BaseSpan(b.lo, bits))
+    return Record(m.name, m.dtype.name, m.shape, m.op, pos, vals.view(m.dtype.bits_numpy))
 
 
 def _decode_joint(m: RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor, where: str,

@@ -18,15 +18,18 @@ from .values import VALUE_ALPHABET
 from .versions import DEVICE_FORMAT
 
 
-POSITION_ENCODINGS = ("gaps_rans", "gaps_joint", "gaps_prefix", "runs", "all", "dense")
-VALUE_ENCODINGS = ("symbols_rans", "symbols_joint", "symbols_prefix", "planes")
+POSITION_ENCODINGS = ("gaps_rans", "gaps_joint", "gaps_prefix", "gaps_conditioned", "runs", "all", "dense")
+VALUE_ENCODINGS = ("symbols_rans", "symbols_joint", "symbols_prefix", "symbols_conditioned", "planes")
 # v5: a record's positions and values as one rANS stream (nemo_dcr.wire.joint); always together.
 JOINT = ("gaps_joint", "symbols_joint")
 # v6: the same as one prefix-coded bit stream, coded where the record's tensors are
 # (nemo_dcr.wire.prefix); always together.
 PREFIX_CODED = ("gaps_prefix", "symbols_prefix")
+# Coded against the old bits of the record's universe, which the record's "baseline" names
+# (nemo_dcr.wire.conditioned); always together, and only with a baseline.
+CONDITIONED = ("gaps_conditioned", "symbols_conditioned")
 # The pairs of encodings that only come together, positions first.
-PAIRED = (JOINT, PREFIX_CODED)
+PAIRED = (JOINT, PREFIX_CODED, CONDITIONED)
 
 
 _GiB = 1 << 30
@@ -37,6 +40,8 @@ _TOP_KEYS = frozenset(
      "target_version", "transfer_id"}
 )
 _RECORD_KEYS = frozenset({"count", "dtype", "name", "op", "positions", "shape", "values"})
+BASELINE = "baseline"  # a conditioned record's universe and the digest of its old bits
+_BASELINE_KEYS = frozenset({"lo", "n", "xxh3"})
 _OPS = {op.value: op for op in Op}
 _SECTION_KEYS = frozenset({"offset", "length", "raw_length"})
 # A section may say "stored": true (raw bytes, no zstd frame); omitted otherwise, so that
@@ -45,11 +50,13 @@ STORED = "stored"
 STORED_ONLY = frozenset({STORED})
 _POSITION_KEYS = {"runs": _SECTION_KEYS | {"encoding"}, "gaps_rans": _SECTION_KEYS | {"encoding"},
                   "gaps_joint": _SECTION_KEYS | {"encoding"}, "gaps_prefix": _SECTION_KEYS | {"encoding"},
+                  "gaps_conditioned": _SECTION_KEYS | {"encoding"},
                   "all": frozenset({"encoding"}), "dense": frozenset({"encoding"})}
 _VALUE_KEYS = {"planes": _SECTION_KEYS | {"encoding", "width"},
                "symbols_rans": _SECTION_KEYS | {"encoding", "width"},
                "symbols_joint": _SECTION_KEYS | {"encoding", "width"},
-               "symbols_prefix": _SECTION_KEYS | {"encoding", "width"}}
+               "symbols_prefix": _SECTION_KEYS | {"encoding", "width"},
+               "symbols_conditioned": _SECTION_KEYS | {"encoding", "width"}}
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,17 @@ class RecordMeta:
     positions: Section | None
     values: Section
     values_encoding: str = "planes"
+    baseline: Baseline | None = None  # conditioned records only
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A conditioned record's universe (canonical positions lo .. lo + n of its tensor) and
+    the digest of the old bits there (nemo_dcr.wire.conditioned.baseline_digest)."""
+
+    lo: int
+    n: int
+    xxh3: str
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -256,7 +274,7 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
                   ) -> tuple[RecordMeta, int, int, int]:
     """Returns (meta, new cursor, raw bytes of its sections, decoded bytes)."""
     where = f"record #{i}"
-    rec = _fields(rec, _RECORD_KEYS, where)
+    rec = _fields(rec, _RECORD_KEYS, where, frozenset({BASELINE}))
     name = _str(rec["name"], where, "name")
     where = f"record #{i} {name!r}"
     dname = rec["dtype"]
@@ -338,8 +356,27 @@ def _parse_record(rec: Any, i: int, cursor: int, limits: DecodeLimits, version: 
     if decoded > limits.max_raw_bytes:
         raise Malformed(f"{where}: {count} decoded positions and {m} values ({decoded} bytes) exceed limit "
                         f"max_raw_bytes={limits.max_raw_bytes}")
-    meta = RecordMeta(name, dt, shape, numel, op, count, penc, psec, vsec, venc)
+    baseline = None
+    if (BASELINE in rec) != (penc == CONDITIONED[0]):
+        raise Malformed(f"{where}: a {BASELINE!r} comes with conditioned records, and only with them")
+    if penc == CONDITIONED[0]:
+        baseline = _baseline(rec[BASELINE], where, numel, count)
+        if dt.itemsize != 2 or op is Op.OVERWRITE:
+            raise Malformed(f"{where}: conditioned records are 2-byte xor or add records, got {dt.name} {op.value}")
+    meta = RecordMeta(name, dt, shape, numel, op, count, penc, psec, vsec, venc, baseline)
     return meta, cursor, raw, raw + decoded
+
+
+def _baseline(obj: Any, where: str, numel: int, count: int) -> Baseline:
+    where = f"{where} {BASELINE}"
+    obj = _fields(obj, _BASELINE_KEYS, where)
+    lo, n, xxh3 = _int(obj["lo"], where, "lo"), _int(obj["n"], where, "n"), _str(obj["xxh3"], where, "xxh3")
+    if lo + n > numel or n < count:
+        raise Malformed(f"{where}: universe [{lo}, {lo + n}) must lie in the tensor's {numel} elements "
+                        f"and hold its {count} changes")
+    if len(xxh3) != 16 or any(ch not in "0123456789abcdef" for ch in xxh3):
+        raise Malformed(f"{where}: xxh3 must be 16 lowercase hex digits, got {xxh3!r}")
+    return Baseline(lo, n, xxh3)
 
 
 def check_expected(h: PayloadHeader, exp: Expected | None) -> None:
