@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nemo_dcr.catchup import catch_up
 from nemo_dcr.commit import payload_set_digest
 from nemo_dcr.control_auth import ReplayGuard, answering, check, sign
@@ -31,6 +33,7 @@ from nemo_dcr.digest import StateDigest
 from nemo_dcr.errors import ApplyError, DCRError, KeyMismatch, PayloadRejected, TransportError
 from nemo_dcr.history import open_history
 from nemo_dcr.metrics import page_faults
+from nemo_dcr.mirror import CanonicalMirror
 from nemo_dcr.records import Op, Payload
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
 from nemo_dcr.transport import ReceiverEnd, TransferInfo
@@ -97,6 +100,7 @@ class Receiver:
         rescan: bool = False,
         state_digest: bool = True,
         key_mismatch_exit_s: float | None = 60.0,
+        mirror: CanonicalMirror | None = None,
     ):
         """`history` (a `nemo_dcr.history.History` or a directory): where to catch up from
         when a transfer starts from a version this receiver does not serve, when its bits
@@ -114,8 +118,16 @@ class Receiver:
         `key_mismatch_exit_s`: a receiver whose key is not its producers' cannot
         authenticate their shutdown either. When control messages keep arriving and none
         has ever authenticated, `serve_forever` raises `KeyMismatch` this many seconds
-        after the first rejected one (None: keep serving)."""
+        after the first rejected one (None: keep serving).
+
+        `mirror`: the canonical host mirror (`nemo_dcr.mirror`) that baseline-conditioned
+        records decode against where the runtime does not hold its tensors in canonical
+        layout (vLLM); it must hold this receiver's version of every tensor it serves, and
+        every apply and revert moves it too. Without one such a runtime rejects conditioned
+        records, naming the tensor."""
         self.id, self.runtime, self.end = receiver_id, runtime, end
+        self.mirror = mirror
+        self.baselines = CommittedBits(runtime, mirror)  # what conditioned records decode against
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
         self.max_staged_bytes = max_staged_bytes
@@ -176,12 +188,16 @@ class Receiver:
     def apply_records(self, records) -> UndoLog:
         """`runtime.apply`, with the state digest moved by what it wrote."""
         undo = self.runtime.apply(records)
+        if self.mirror is not None:
+            undo.mirror = self.mirror.apply(records)
         self._account(undo, 1)
         return undo
 
     def revert(self, undo: UndoLog) -> None:
         """`runtime.revert`, with the state digest moved back."""
         self.runtime.revert(undo)
+        if self.mirror is not None:
+            self.mirror.revert(undo.mirror)
         self._account(undo, -1)
 
     def _account(self, undo: UndoLog, sign: int) -> None:
@@ -415,6 +431,7 @@ class Receiver:
                 payload = codec.decode(
                     data, key=self.key, catalog=self.catalog, limits=self.limits,
                     expected=codec.Expected(info.transfer_id, info.base_version, info.target_version),
+                    baselines=self.baselines, held=self.held,
                 )
                 if payload.header.payload_id != pid or payload.header.producer_id != producer:
                     raise PayloadRejected(pid, f"header names payload {payload.header.payload_id} "
@@ -581,6 +598,20 @@ class Receiver:
     def digests(self) -> dict[str, str]:
         """XXH3-128 of every canonical tensor's stored bits (for end-state checks)."""
         return state_digests(self.runtime.canonical_state())
+
+
+class CommittedBits:
+    """The committed canonical bits a receiver decodes conditioned records against: the
+    runtime's own where it holds them in canonical layout, else its canonical mirror."""
+
+    def __init__(self, runtime: RuntimeAdapter, mirror: CanonicalMirror | None):
+        self.runtime, self.mirror = runtime, mirror
+
+    def bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
+        found = self.runtime.committed_bits(name, lo, hi)
+        if found is None and self.mirror is not None:
+            found = self.mirror.bits(name, lo, hi)
+        return found
 
 
 def _superset(catalog: dict, held: dict) -> dict:

@@ -41,6 +41,7 @@ class UndoLog:
     steps: list[Any] = field(default_factory=list)
     reverted: bool = False
     digest: StateDigest | None = None
+    mirror: list[Any] = field(default_factory=list)  # the receiver's canonical mirror's own undo (nemo_dcr.mirror)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -100,6 +101,13 @@ class RuntimeAdapter(ABC):
     @abstractmethod
     def revert(self, log: UndoLog) -> None:
         """Undo an `apply` (the latest one first when several are stacked)."""
+
+    def committed_bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
+        """Canonical tensor `name`'s bits at flat positions lo .. hi, read in place, for
+        decoding baseline-conditioned records (nemo_dcr.wire.conditioned); None (the
+        default) where the runtime does not hold them in canonical layout: its receiver
+        then keeps a `nemo_dcr.mirror.CanonicalMirror`."""
+        return None
 
     @abstractmethod
     def canonical_state(self) -> dict[str, torch.Tensor]:

@@ -123,6 +123,8 @@ class HFRuntime(NativeLoaderAdapter):
     this process may use, at most 8 (`nemo_dcr.runtimes.scatter`).
     """
 
+    canonical_layout = True  # every canonical tensor is a parameter or a view of one
+
     def __init__(self, model: torch.nn.Module, checkpoint_dir: str | os.PathLike | None = None,
                  scratch_device: str | torch.device | None = None, apply_threads: int | None = None):
         self.apply_threads = apply_threads

@@ -195,6 +195,16 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         """The runtime's current tensor for canonical `name` (override to cache)."""
         return self.canonical_state()[name]
 
+    # Whether `_canonical_tensor` is the live tensor in canonical layout, all of it (a
+    # tensor store, a Hugging Face model): then conditioned records decode against it in place.
+    canonical_layout = False
+
+    def committed_bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
+        if not self.canonical_layout or name not in self.catalog():
+            return None
+        flat = dtypes.bits_of(self._canonical_tensor(name).detach()).reshape(-1)
+        return flat[lo:hi].cpu().numpy() if 0 <= lo <= hi <= flat.numel() else None
+
     def _refresh(self) -> None:
         """Drop anything cached about the model's storage (before planning and undo)."""
 

@@ -34,6 +34,8 @@ class TensorStoreRuntime(NativeLoaderAdapter):
     object): applied bits must not follow the file on disk.
     """
 
+    canonical_layout = True  # the tensors are the canonical ones
+
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         owners: dict[int, str] = {}
         for name, t in tensors.items():
