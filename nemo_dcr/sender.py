@@ -27,7 +27,7 @@ from nemo_dcr.errors import ConverterError
 from nemo_dcr.layout import OwnedRange
 from nemo_dcr.metrics import page_faults
 from nemo_dcr.placement import AffineMap, ResidualMap, merge_placed, places_anything
-from nemo_dcr.records import AUTO, Op, Payload, PayloadHeader, Record
+from nemo_dcr.records import AUTO, BaseSpan, Op, Payload, PayloadHeader, Record
 from nemo_dcr.transport import ProducerEnd, TransferInfo
 from nemo_dcr.verify import region_digest
 from nemo_dcr.wire import codec
@@ -77,23 +77,27 @@ class _PayloadBuilder:
         # op "auto": values are (add, new bits) pairs; take() keeps add or computes xor per record.
         # Each part: (positions, values, new bits or None, positions known strictly increasing).
         self.parts: dict[tuple[str, Op | str], list[tuple[np.ndarray, object, np.ndarray | None, bool]]] = {}
+        # Per (canonical tensor, op), with conditioned coding: the committed bits each part's
+        # diff ran over, when that is one contiguous canonical span (None otherwise).
+        self.spans: dict[tuple[str, Op | str], list[CommittedSpan | None]] = {}
         self.elements = 0
         self.track_new = track_new
         self.arena = arena if arena is not None else Arena()
 
     def add(self, name: str, op: Op | str, positions: np.ndarray, values, new: np.ndarray | None = None,
-            increasing: bool = False) -> None:
+            increasing: bool = False, span: CommittedSpan | None = None) -> None:
         self.parts.setdefault((name, op), []).append(
             (positions, values, new if self.track_new else None, increasing))
+        self.spans.setdefault((name, op), []).append(span)
         self.elements += len(positions)
 
     def clear(self) -> None:
-        self.parts, self.elements = {}, 0
+        self.parts, self.spans, self.elements = {}, {}, 0
 
     def detach(self) -> _Batch:
         """The queued changes as a batch of their own (to be made into records, maybe on
         another thread); the builder starts empty again."""
-        batch = _Batch(self.parts, self.track_new)
+        batch = _Batch(self.parts, self.track_new, self.spans)
         self.clear()
         return batch
 
@@ -106,8 +110,8 @@ class _PayloadBuilder:
 class _Batch:
     """One payload's queued changes: per (canonical tensor, op), the parts in scan order."""
 
-    def __init__(self, parts: dict, track_new: bool):
-        self.parts, self.track_new = parts, track_new
+    def __init__(self, parts: dict, track_new: bool, spans: dict | None = None):
+        self.parts, self.track_new, self.spans = parts, track_new, spans or {}
 
     def records(self, specs: dict, arena: Arena) -> tuple[list[Record], dict[str, str], float]:
         """(records, digests, seconds the digests took): one record per canonical tensor
@@ -118,6 +122,7 @@ class _Batch:
         arena.reset(sum(_part_bytes(parts) for parts in self.parts.values()))
         cat = arena.concatenate
         for (name, op), parts in self.parts.items():
+            spans = self.spans.get((name, op), ())
             if isinstance(parts[0][0], torch.Tensor):  # kept on their device: coded there (v6)
                 record, new = _device_record(name, op, parts, specs[name])
                 records.append(record)
@@ -142,12 +147,36 @@ class _Batch:
                 pos, val = pos[order], val[order]
                 new = None if new is None else new[order]
             dtype, shape = specs[name]
-            records.append(Record(name, dtype, tuple(shape), op, pos, val))
+            records.append(Record(name, dtype, tuple(shape), op, pos, val, base=CommittedSpan.joined(spans)))
             if new is not None:
                 t = time.perf_counter()
                 digests[name] = region_digest(pos, new)
                 digest_s += time.perf_counter() - t
         return records, digests, digest_s
+
+
+@dataclass(frozen=True)
+class CommittedSpan:
+    """The committed bits `bits[lo:hi]` of one diffed chunk, which sit at canonical flat
+    positions canonical_lo .. canonical_lo + hi - lo: what a conditioned record is coded
+    against (nemo_dcr.wire.conditioned)."""
+
+    bits: np.ndarray
+    lo: int
+    hi: int
+    canonical_lo: int
+
+    @staticmethod
+    def joined(spans) -> BaseSpan | None:
+        """One span of the record's parts when they follow each other in one committed
+        array and in canonical order (a view, no copy); else None."""
+        if not spans or any(s is None for s in spans):
+            return None
+        first = spans[0]
+        for a, b in zip(spans, spans[1:]):
+            if b.bits is not first.bits or b.lo != a.hi or b.canonical_lo != a.canonical_lo + (a.hi - a.lo):
+                return None
+        return BaseSpan(first.canonical_lo, first.bits[first.lo:spans[-1].hi])
 
 
 def _device_record(name: str, op: Op | str, parts: list, spec) -> tuple[Record, torch.Tensor | None]:
@@ -245,6 +274,7 @@ class Producer:
         wire_version: int = FORMAT_VERSION,
         device_coding: str = "gpu",
         state_digest: bool = True,
+        conditioned: bool = False,
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
@@ -270,7 +300,11 @@ class Producer:
         share's digest unknown (`digest` None) from then on.
         `first_payload_elements`: where the first payload of a refit is cut (default
         max_payload_elements // 16): a small first payload reaches the link after a
-        sixteenth of the diffing a full one needs, and the link is the refit's bound."""
+        sixteenth of the diffing a full one needs, and the link is the refit's bound.
+        `conditioned`: code records against the committed bits where that is smaller
+        (nemo_dcr.wire.conditioned; BF16/FP16 xor or add records of chunks that sit on one
+        canonical span). Every receiver must then read its committed canonical bits: in
+        place (a Hugging Face model, a tensor store) or from a canonical mirror (vLLM)."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
@@ -285,6 +319,7 @@ class Producer:
             raise ValueError(f"device_coding must be 'gpu', 'always' or 'never', got {device_coding!r}")
         self.wire_version = wire_version
         self.device_coding = device_coding
+        self.conditioned = conditioned
         self.encode_threads = encode_threads
         self.id, self.maps, self.specs, self.baseline, self.end = producer_id, maps, specs, baseline, end
         self.op = AUTO if op == AUTO else Op(op)
@@ -560,9 +595,13 @@ class Producer:
                 t = time.perf_counter()
                 spans = (_placed_spans(amap, positions, offset, slots) if placed is None
                          else [(placed[0], positions.view(_UNSIGNED[positions.dtype]), slice(None), True)])
+                # Conditioned coding: a chunk whose diff gave canonical positions by one shift
+                # sits on one canonical span, whose committed bits are com[lo:hi].
+                span = (CommittedSpan(com, lo, hi, placed[1]) if self.conditioned and placed is not None
+                        and placed[2] is None and op in (AUTO, Op.XOR, Op.ADD) else None)
                 for name, cpos, src, increasing in spans:
                     builder.add(name, op, cpos, (both[0][src], both[1][src]) if op == AUTO else values[src],
-                                None if new is None else new[src], increasing)
+                                None if new is None else new[src], increasing, span)
                     account(name, dop, cpos, new_all[src], dvals[src])
                     rep.placed_elements += cpos.size
                 rep.times["place"] += time.perf_counter() - t

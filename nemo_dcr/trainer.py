@@ -150,6 +150,9 @@ class TrainerRefit:
     what receivers finished stays, the rest is re-sent as overwrites). `log`: a callable
     taking one line, told about each failed attempt. `wire_version`: the wire format of
     the payloads and anchors (5, the host format; 6, the device format, experimental).
+    `conditioned`: code records against the committed bits both ends hold where that is
+    smaller (`nemo_dcr.wire.conditioned`); every receiver must read its committed canonical
+    bits (in place, or from a `nemo_dcr.mirror.CanonicalMirror`).
 
     `history` (a directory, "s3" for the s3 transport's bucket, or a `nemo_dcr.history.
     History`): after each commit the version's payloads are stored there as its delta,
@@ -182,6 +185,7 @@ class TrainerRefit:
         max_payload_elements: int = 1 << 20,
         encode_threads: int = 0,
         wire_version: int = FORMAT_VERSION,
+        conditioned: bool = False,
         baseline_dir: str | None = None,
         timeout_s: float = 300.0,
         params: dict[str, torch.Tensor] | None = None,
@@ -244,7 +248,7 @@ class TrainerRefit:
             self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
                                      op=op, key=key, max_payload_elements=max_payload_elements, params=params,
                                      encode_threads=encode_threads, wire_version=wire_version,
-                                     state_digest=state_digest)
+                                     state_digest=state_digest, conditioned=conditioned)
         except (ConverterError, ValueError, KeyError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)
