@@ -74,7 +74,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
-from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
+from nemo_dcr.records import BaseSpan, Op, Payload, PayloadHeader, Record  # noqa: E402
 from nemo_dcr.wire import codec  # noqa: E402
 from nemo_dcr.wire.values import choose_op_from_add  # noqa: E402
 
@@ -276,8 +276,19 @@ def entropies(old: np.ndarray, pos: np.ndarray, xor: np.ndarray, add: np.ndarray
 
 # ----------------------------------------------------------------------------- coders
 
-def record(name: str, n: int, op: Op, pos: np.ndarray, vals: np.ndarray) -> Record:
-    return Record(name, "BF16", (n,), op, pos.view(np.uint64), vals)
+def record(name: str, n: int, op: Op, pos: np.ndarray, vals: np.ndarray, base: BaseSpan | None = None) -> Record:
+    return Record(name, "BF16", (n,), op, pos.view(np.uint64), vals, base=base)
+
+
+class OldBits:
+    """The receiver's committed bits (the old BF16 bits by name), for conditioned records."""
+
+    def __init__(self, olds: dict[str, np.ndarray]):
+        self.olds = olds
+
+    def bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
+        old = self.olds.get(name)
+        return None if old is None else old[lo:hi]
 
 
 def apply_bits(old: np.ndarray, op: Op, pos: np.ndarray, vals: np.ndarray) -> np.ndarray:
@@ -291,7 +302,7 @@ def encode_exact(records: list[Record], olds: list[np.ndarray], news: list[np.nd
     """Bytes of one payload of `records`, after checking that decoding it and applying each
     record to its old bits gives exactly the new bits."""
     data = codec.encode(Payload(HDR, records))
-    back = codec.decode(data).records
+    back = codec.decode(data, baselines=OldBits({r.name: o for r, o in zip(records, olds)})).records
     for want, got, old, new in zip(records, back, olds, news, strict=True):
         if got.name != want.name or not np.array_equal(apply_bits(old, Op(got.op), got.positions,
                                                                   np.asarray(got.values).view(np.uint16)), new):
@@ -356,15 +367,20 @@ def header_bytes(name: str, n: int, op: Op, envelope: int) -> int:
     return len(codec.encode(Payload(HDR, [Record(name, "BF16", (n,), op, none, np.zeros(0, np.uint16))]))) - envelope
 
 
-def split_bytes(name: str, n: int, op: Op, pos: np.ndarray, vals: np.ndarray, whole: int) -> float | None:
+def split_bytes(name: str, n: int, op: Op, pos: np.ndarray, vals: np.ndarray, whole: int,
+                old: np.ndarray | None = None) -> float | None:
     """The marginal cost of one more record: the record's changes cut into P records of
     equal change counts (same tensor, same op, P = 2..4 with >= PART_MIN changes each) in
-    one payload, less the one-record payload (`whole` bytes), per added record."""
+    one payload, less the one-record payload (`whole` bytes), per added record. With `old`,
+    each part is coded against its own span of it (the tensor cut between the parts)."""
     parts = min(4, pos.size // PART_MIN)
     if parts < 2:
         return None
     cuts = [pos.size * j // parts for j in range(parts + 1)]
-    recs = [record(name, n, op, pos[a:b], vals[a:b]) for a, b in zip(cuts, cuts[1:])]
+    edges = [0] + [int(pos[c]) for c in cuts[1:-1]] + [n]
+    recs = [record(name, n, op, pos[a:b], vals[a:b],
+                   None if old is None else BaseSpan(lo, old[lo:hi]))
+            for a, b, lo, hi in zip(cuts, cuts[1:], edges, edges[1:])]
     return (len(codec.encode(Payload(HDR, recs))) - whole) / (parts - 1)
 
 
@@ -384,10 +400,20 @@ def analyse_tensor(name: str, old: np.ndarray, new: np.ndarray, envelope: int) -
     ent = entropies(old, pos, xor, add)
     rec = record(name, n, op, pos, vals)
     ours = encode_exact([rec], [old], [new])
+    crec = record(name, n, op, pos, vals, BaseSpan(0, old))
+    t = time.perf_counter()
+    data = codec.encode(Payload(HDR, [crec]))
+    enc_s = time.perf_counter() - t
+    t = time.perf_counter()
+    codec.decode(data, baselines=OldBits({name: old}))
+    dec_s = time.perf_counter() - t
+    cond = encode_exact([crec], [old], [new])
     nemo = nemo_rl_exact([(name, n, pos, xor)], [old], [new])
-    row.update(op=op.value, ours_bytes=ours, nemo_rl_bytes=nemo,
+    row.update(op=op.value, ours_bytes=ours, nemo_rl_bytes=nemo, ours_cond_bytes=cond,
+               conditioned=b'"gaps_conditioned"' in data, cond_encode_s=enc_s, cond_decode_s=dec_s,
                header_bytes=header_bytes(name, n, op, envelope),
-               split_bytes=split_bytes(name, n, op, pos, vals, ours))
+               split_bytes=split_bytes(name, n, op, pos, vals, ours),
+               cond_split_bytes=split_bytes(name, n, op, pos, vals, cond, old))
     for ctx, e in ent.items():
         key = "order0" if ctx == "none" else f"cond_{ctx}"
         row[f"{key}_mask_bits"] = e["mask_bits"]
@@ -396,10 +422,11 @@ def analyse_tensor(name: str, old: np.ndarray, new: np.ndarray, envelope: int) -
         row[f"{key}_bytes"] = (e["mask_bits"] + min(e["xor_bits"], e["add_bits"])) / 8
     row["order0_xor_bytes"] = (ent["none"]["mask_bits"] + ent["none"]["xor_bits"]) / 8
     row["order0_add_bytes"] = (ent["none"]["mask_bits"] + ent["none"]["add_bits"]) / 8
-    return row, (rec, (name, n, pos, xor))
+    return row, (rec, (name, n, pos, xor), crec)
 
 
-SUMMED = ("changed", "ours_bytes", "nemo_rl_bytes", "header_bytes", "order0_bytes", "order0_xor_bytes",
+SUMMED = ("changed", "numel", "ours_bytes", "ours_cond_bytes", "cond_encode_s", "cond_decode_s", "nemo_rl_bytes",
+          "header_bytes", "order0_bytes", "order0_xor_bytes",
           "order0_add_bytes", *(f"cond_{c}_bytes" for c in CONTEXTS))
 
 
@@ -407,9 +434,12 @@ def totals(rows: list[dict]) -> dict:
     live = [r for r in rows if r["changed"]]
     t = {k: sum(r[k] for r in live) for k in SUMMED}
     split = sorted(r["split_bytes"] for r in live if r.get("split_bytes") is not None)
+    csplit = sorted(r["cond_split_bytes"] for r in live if r.get("cond_split_bytes") is not None)
     t.update(records=len(live), ops={op: sum(r["op"] == op for r in live) for op in ("xor", "add")},
              split_records=len(split), split_median_bytes=float(np.median(split)) if split else None,
-             split_min_bytes=split[0] if split else None, split_max_bytes=split[-1] if split else None)
+             split_min_bytes=split[0] if split else None, split_max_bytes=split[-1] if split else None,
+             cond_split_median_bytes=float(np.median(csplit)) if csplit else None,
+             conditioned_records=sum(bool(r.get("conditioned")) for r in live))
     return t
 
 
@@ -424,22 +454,25 @@ def run_model(label: str, make, loss_fn, args, envelope: int) -> dict:
         olds, news, losses = train_delta(model, loss_fn, lr, args.steps, batch, seq, args.seed)
         del model
         train_s = time.perf_counter() - t0
-        rows, recs, items = [], [], []
+        rows, recs, items, crecs = [], [], [], []
         for name in olds:
             row, coded = analyse_tensor(name, olds[name], news[name], envelope)
             rows.append(row)
             if coded:
                 recs.append(coded[0])
                 items.append(coded[1])
+                crecs.append(coded[2])
         live = [n for n, r in zip(olds, rows) if r["changed"]]
         tot = totals(rows)
         # The same records together, as a producer (or NeMo RL, one bucket) would send them.
         tot["ours_one_payload_bytes"] = encode_exact(recs, [olds[n] for n in live], [news[n] for n in live])
+        tot["ours_cond_one_payload_bytes"] = encode_exact(crecs, [olds[n] for n in live],
+                                                          [news[n] for n in live])
         tot["nemo_rl_one_blob_bytes"] = nemo_rl_exact(items, [olds[n] for n in live], [news[n] for n in live])
         k = max(tot["changed"], 1)
         tot["rate"] = tot["changed"] / params
         tot["per_changed"] = {key.removesuffix("_bytes"): tot[key] / k for key in (
-            "ours_bytes", "ours_one_payload_bytes", "nemo_rl_bytes", "nemo_rl_one_blob_bytes", "order0_bytes",
+            "ours_bytes", "ours_one_payload_bytes", "ours_cond_bytes", "ours_cond_one_payload_bytes", "nemo_rl_bytes", "nemo_rl_one_blob_bytes", "order0_bytes",
             "order0_xor_bytes", "order0_add_bytes", *(f"cond_{c}_bytes" for c in CONTEXTS))}
         # Ratios of the totals: ours and NeMo-RL-style as one payload / one blob each.
         ours_t, nemo_t = tot["ours_one_payload_bytes"], tot["nemo_rl_one_blob_bytes"]
@@ -447,6 +480,10 @@ def run_model(label: str, make, loss_fn, args, envelope: int) -> dict:
                          **{f"ours/cond_{c}": ours_t / tot[f"cond_{c}_bytes"] for c in CONTEXTS},
                          **{f"cond_{c}/order0": tot[f"cond_{c}_bytes"] / tot["order0_bytes"] for c in CONTEXTS},
                          "ours/nemo_rl": ours_t / nemo_t,
+                         "ours_cond/order0": tot["ours_cond_one_payload_bytes"] / tot["order0_bytes"],
+                         "ours_cond/cond_exp": tot["ours_cond_one_payload_bytes"] / tot["cond_exp_bytes"],
+                         "ours_cond/nemo_rl": tot["ours_cond_one_payload_bytes"] / nemo_t,
+                         "ours_cond/ours": tot["ours_cond_one_payload_bytes"] / ours_t,
                          "ours_records/nemo_rl_records": tot["ours_bytes"] / tot["nemo_rl_bytes"]}
         run = {"lr": lr, "steps": args.steps, "batch": batch, "seq": seq, "losses": losses, "train_s": train_s,
                "analyse_s": time.perf_counter() - t0 - train_s, "totals": tot, "tensors": rows}
@@ -454,7 +491,8 @@ def run_model(label: str, make, loss_fn, args, envelope: int) -> dict:
         pc = tot["per_changed"]
         print(f"  {label} lr={lr:g}: {params / 1e6:.1f}M params, {tot['rate']:.2%} changed, "
               f"B/changed ours {pc['ours_one_payload']:.3f}  order-0 {pc['order0']:.3f}  "
-              f"cond exp {pc['cond_exp']:.3f}  NeMo-RL-style {pc['nemo_rl_one_blob']:.3f}  "
+              f"cond exp {pc['cond_exp']:.3f}  ours conditioned {pc['ours_cond_one_payload']:.3f}  "
+              f"NeMo-RL-style {pc['nemo_rl_one_blob']:.3f}  "
               f"(train {train_s:.0f} s, analyse {run['analyse_s']:.0f} s)", flush=True)
         del olds, news, recs, items
     return out
@@ -467,13 +505,14 @@ def role(name: str) -> str:
 
 
 def print_tables(models: list[dict]) -> None:
-    cols = ("order-0", "cond exp", "cond sign+exp", "cond exp+low2", "ours", "NeMo-RL-style")
-    keys = ("order0", "cond_exp", "cond_sign_exp", "cond_exp_low2", "ours", "nemo_rl")
+    cols = ("order-0", "cond exp", "cond sign+exp", "cond exp+low2", "ours", "ours conditioned", "NeMo-RL-style")
+    keys = ("order0", "cond_exp", "cond_sign_exp", "cond_exp_low2", "ours", "ours_cond", "nemo_rl")
     print("\nTotals, bytes per changed element (ours: one payload of every record; NeMo-RL-style: one blob;"
           " order-0: xor / add / the smaller per tensor):")
     print("| model | lr | change rate | order-0 xor / add / best | cond exp | cond sign+exp | cond exp+low2 | ours "
-          "| NeMo-RL-style | ours/order-0 | ours/cond exp | ours/NeMo-RL | fixed: header / split (median) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours conditioned | NeMo-RL-style | ours/order-0 | conditioned/order-0 | ours/NeMo-RL "
+          "| conditioned/NeMo-RL | fixed: header / split / conditioned split (median) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m in models:
         for run in m["runs"]:
             t, pc = run["totals"], run["totals"]["per_changed"]
@@ -481,10 +520,14 @@ def print_tables(models: list[dict]) -> None:
             print(f"| {m['model']} ({m['params'] / 1e6:.0f}M) | {run['lr']:g} | {t['rate']:.2%} | "
                   f"{pc['order0_xor']:.3f} / {pc['order0_add']:.3f} / {pc['order0']:.3f} | "
                   + " | ".join(f"{pc[k]:.3f}" for k in ("cond_exp", "cond_sign_exp", "cond_exp_low2",
-                                                        "ours_one_payload", "nemo_rl_one_blob"))
-                  + f" | {t['ratios']['ours/order0']:.3f} | {t['ratios']['ours/cond_exp']:.3f} | "
-                  f"{t['ratios']['ours/nemo_rl']:.3f} | {t['header_bytes'] / t['records']:.0f} / "
-                  + (f"{icpt:.0f} B |" if icpt is not None else "- |"))
+                                                        "ours_one_payload", "ours_cond_one_payload",
+                                                        "nemo_rl_one_blob"))
+                  + f" | {t['ratios']['ours/order0']:.3f} | {t['ratios']['ours_cond/order0']:.3f} | "
+                  f"{t['ratios']['ours/nemo_rl']:.3f} | {t['ratios']['ours_cond/nemo_rl']:.3f} | "
+                  f"{t['header_bytes'] / t['records']:.0f} / "
+                  + (f"{icpt:.0f} / " if icpt is not None else "- / ")
+                  + (f"{t['cond_split_median_bytes']:.0f} B |" if t["cond_split_median_bytes"] is not None
+                     else "- |"))
     for m in models:
         for run in m["runs"]:
             groups: dict[str, list[dict]] = {}

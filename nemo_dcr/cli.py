@@ -260,7 +260,7 @@ def cmd_project(args) -> int:
     """Project a refit at cluster scale from per-byte costs measured on this machine."""
     import dataclasses
 
-    from nemo_dcr.projection import Cluster, measure_costs, project, report
+    from nemo_dcr.projection import Cluster, ConditionedCosts, measure_costs, project, report
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Cluster)}
     problems = [f"--{n.replace('_', '-')} must be positive (got {v})" for n, v in values.items() if v <= 0]
@@ -273,9 +273,10 @@ def cmd_project(args) -> int:
     print(f"[project] measuring per-byte costs on this machine ({args.elements / 1e6:.0f}M elements)...", flush=True)
     costs = measure_costs(values["change_rate"], elements=args.elements)
     result = project(Cluster(**values), costs)
-    print(report(result))
+    conditioned = project(Cluster(**values), costs, ConditionedCosts())
+    print(report(result, conditioned))
     if args.json:
-        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2))
+        Path(args.json).write_text(json.dumps({**result.as_dict(), "conditioned": conditioned.as_dict()}, indent=2))
         print(f"[project] wrote {args.json}")
     return 0
 

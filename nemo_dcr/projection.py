@@ -32,6 +32,7 @@ Model (every byte counted once; payloads stream while deltas are built, so stage
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,19 @@ PAPER_DENSE_120B = (247.2e9, 750.0)  # the paper's 120B checkpoint: bytes, full-
 # The rate across the region boundary that the paper's dense reference implies.
 PAPER_LINK_GBPS = PAPER_DENSE_1T_BYTES * 8 / PAPER_DENSE_1T_S / 1e9
 GOAL_1T_3PCT_S = PAPER_1T_3PCT_S / 2  # half the paper's refit time, on its own links
+
+
+@dataclass(frozen=True)
+class ConditionedCosts:
+    """What baseline-conditioned coding (nemo_dcr.wire.conditioned) changes, measured on
+    real pretrained AdamW deltas (benchmarks/real_deltas.py, the Qwen3-style 0.5B model at
+    2.1% changed; benchmarks/results/real_deltas.json): the synthetic ±1-ULP changes this
+    command measures have no baseline structure to exploit, so their ratio cannot be
+    measured here."""
+
+    wire_ratio: float = 0.712  # conditioned / plain wire bytes on those deltas
+    encode_elements_per_s_per_core: float = 150e6  # the producer's extra pass and coding, per element scanned
+    decode_elements_per_s_per_core: float = 309e6  # a receiver's pass over each record's universe
 
 
 @dataclass
@@ -190,8 +204,13 @@ class Projection:
                 "wire_bytes": self.wire_bytes, "dense_bytes": self.dense_bytes, "assumptions": self.assumptions}
 
 
-def project(cluster: Cluster, costs: Costs) -> Projection:
+def project(cluster: Cluster, costs: Costs, conditioned: ConditionedCosts | None = None) -> Projection:
+    """The refit's stages on `cluster` from `costs`; with `conditioned`, coded against the
+    baseline (fewer wire bytes, an extra pass over the model on each side)."""
     c = cluster
+    if conditioned is not None:
+        costs = dataclasses.replace(costs, wire_bytes_per_change=costs.wire_bytes_per_change * conditioned.wire_ratio,
+                                    op=f"{costs.op}, conditioned")
     dense = c.params * 2
     changes = c.change_rate * c.params
     wire = changes * costs.wire_bytes_per_change
@@ -208,6 +227,11 @@ def project(cluster: Cluster, costs: Costs) -> Projection:
         "relay fan-out": (c.fanout * share * 8 / (c.intra_gbps * 1e9)) if depth else 0.0,
         "decode + apply": (changes / per_replica) * 2 / (costs.apply_gbps_per_core * 1e9 * c.receiver_cores_per_node),
     }
+    if conditioned is not None:
+        stages["conditioned encode"] = (c.params / c.producer_nodes
+                                        / (conditioned.encode_elements_per_s_per_core * c.producer_cores_per_node))
+        stages["conditioned decode"] = (c.params / per_replica
+                                        / (conditioned.decode_elements_per_s_per_core * c.receiver_cores_per_node))
     chunk = c.chunk_mb * 1e6
     fill = (chunk * 8 / (c.cross_gbps * 1e9) + depth * chunk * 8 / (c.intra_gbps * 1e9))
     p = Projection(cluster=c, costs=costs, stages_s=stages, wire_bytes=wire, dense_bytes=dense)
@@ -236,6 +260,15 @@ def project(cluster: Cluster, costs: Costs) -> Projection:
         f"+ commit {c.commit_rtt_s:g} s",
         f"dense reference over the same links: {dense / 1e9:.0f} GB at {c.cross_gbps:.3g} Gbit/s",
     ]
+    if conditioned is not None:
+        p.assumptions += [
+            f"baseline-conditioned coding: wire bytes x {conditioned.wire_ratio:.3f} (measured on real pretrained "
+            "AdamW deltas, benchmarks/results/real_deltas.json); an extra pass over every element on each side, "
+            f"{conditioned.encode_elements_per_s_per_core / 1e6:.0f}M elements/s per producer core and "
+            f"{conditioned.decode_elements_per_s_per_core / 1e6:.0f}M per receiver core (measured there too), "
+            "pipelined with the transfer; receivers without canonical layout keep a canonical host mirror "
+            "(2 bytes per parameter)",
+        ]
     return p
 
 
@@ -262,7 +295,9 @@ def wire_bytes_per_change_for(p: Projection, seconds: float) -> float:
     return max(0.0, seconds - p.overhead_s) * c.cross_gbps * 1e9 / 8 / (c.change_rate * c.params)
 
 
-def report(p: Projection) -> str:
+def report(p: Projection, conditioned: Projection | None = None) -> str:
+    """The projection, every stage and assumption; `conditioned`: the same with
+    baseline-conditioned coding, reported after it."""
     c = p.cluster
     lines = [*(paper_links() if c.cross_gbps == PAPER_LINK_GBPS else []), "", *p.costs.describe(), "",
              "assumptions:"]
@@ -283,6 +318,12 @@ def report(p: Projection) -> str:
             f"  goal {GOAL_1T_3PCT_S:.0f} s (half the paper's): {'met' if p.total_s <= GOAL_1T_3PCT_S else 'not met'}"
             f"; it needs at most {need:.3f} wire bytes per changed element on these links (measured: "
             f"{p.costs.wire_bytes_per_change:.3f}, the host format's codec on the synthetic changes above)",
-            "  baseline-conditioned coding: not in this version's wire formats, so no prediction with it",
         ]
+    if conditioned is not None:
+        q = conditioned
+        lines += ["", "with baseline-conditioned coding:", *[f"  - {a}" for a in q.assumptions[-1:]]]
+        lines += [f"  {name:<24} {s:9.2f} s" for name, s in q.stages_s.items()]
+        lines += [f"  {'total (pipelined)':<24} {q.total_s:9.2f} s   (no overlap at all: {q.serial_s:.2f} s)",
+                  f"  wire {q.wire_bytes / 1e9:.1f} GB; without conditioned coding {p.total_s:.2f} s, "
+                  f"with it {q.total_s:.2f} s"]
     return "\n".join(lines)

@@ -77,3 +77,16 @@ def test_the_goals_wire_budget_inverts_the_transfer():
     need = wire_bytes_per_change_for(base, GOAL_1T_3PCT_S)
     at_budget = project(Cluster(), dataclasses.replace(COSTS, wire_bytes_per_change=need))
     assert at_budget.stages_s["cross-region transfer"] + at_budget.overhead_s == pytest.approx(GOAL_1T_3PCT_S)
+
+
+def test_conditioned_coding_is_projected_beside_the_plain_one():
+    from nemo_dcr.projection import Cluster, ConditionedCosts, Costs, project, report
+
+    costs = Costs(change_rate=0.03, wire_bytes_per_change=0.94, scan_gbps_per_core=1.0, apply_gbps_per_core=0.5,
+                  memcpy_gbps_per_core=5.0, elements=1 << 20)
+    plain, cond = project(Cluster(), costs), project(Cluster(), costs, ConditionedCosts())
+    assert cond.wire_bytes == pytest.approx(plain.wire_bytes * ConditionedCosts().wire_ratio)
+    assert {"conditioned encode", "conditioned decode"} <= cond.stages_s.keys()
+    assert cond.total_s < plain.total_s
+    text = report(plain, cond)
+    assert "with baseline-conditioned coding" in text and f"with it {cond.total_s:.2f} s" in text
