@@ -56,46 +56,49 @@ def _put_bits(buf, at, value, nbits):
     return at
 
 
+@_jit_inline
+def _bit_width(mc):
+    """Bits of a truncated-binary remainder below mc: ceil(log2 mc)."""
+    b = 0
+    while (np.int64(1) << b) < mc:
+        b += 1
+    return b
+
+
 @_jit
-def golomb_write(gaps, order, cls, m, start_byte, buf, end_byte):
+def golomb_write(gaps, cls, m, start_byte, buf):
     """Each class's gaps as one Golomb stream (m[c] per class: the quotient in unary, ones
-    closed by a zero, the remainder in truncated binary), the streams byte-aligned one after
-    another from start_byte[c] in `buf` (zeroed). `order`: the changes' indices grouped by
-    class, each class's in position order. Writes end_byte[c]; returns the bytes used."""
-    at = np.int64(0)
-    cur = np.int64(-1)
-    used = np.int64(0)
-    for t in range(order.size):
-        j = order[t]
+    closed by a zero, the remainder in truncated binary; m 0: no bits), the streams
+    byte-aligned from start_byte[c] in `buf` (zeroed, sized by golomb_bits), each class
+    written at its own cursor as the changes come in position order."""
+    ncls = m.size
+    at = np.empty(ncls, np.int64)
+    bw = np.empty(ncls, np.int64)
+    uu = np.empty(ncls, np.int64)
+    for c in range(ncls):
+        at[c] = start_byte[c] << 3
+        bw[c] = _bit_width(m[c]) if m[c] > 0 else 0
+        uu[c] = (np.int64(1) << bw[c]) - m[c]
+    for j in range(gaps.size):
         c = cls[j]
-        if c != cur:
-            if cur >= 0:
-                end_byte[cur] = (at + 7) >> 3
-            cur = c
-            at = start_byte[c] << 3
-        g = gaps[j]
         mc = m[c]
-        if mc == 0:  # every gap is 0: no bits
+        if mc == 0:
             continue
+        g = gaps[j]
         q = g // mc
         r = g - q * mc
+        a = at[c]
         for _ in range(q):
-            buf[at >> 3] |= np.uint8(0x80 >> (at & 7))
-            at += 1
-        at += 1  # the zero that ends the unary
+            buf[a >> 3] |= np.uint8(0x80 >> (a & 7))
+            a += 1
+        a += 1  # the zero that ends the unary
         if mc > 1:
-            b = 0
-            while (np.int64(1) << b) < mc:
-                b += 1
-            u = (np.int64(1) << b) - mc
-            if r < u:
-                at = _put_bits(buf, at, r, b - 1)
+            b = bw[c]
+            if r < uu[c]:
+                a = _put_bits(buf, a, r, b - 1)
             else:
-                at = _put_bits(buf, at, r + u, b)
-    if cur >= 0:
-        end_byte[cur] = (at + 7) >> 3
-        used = end_byte[cur]
-    return used
+                a = _put_bits(buf, a, r + uu[c], b)
+        at[c] = a
 
 
 @_jit_inline
@@ -150,11 +153,8 @@ def golomb_positions(base, lo, shift, cmask, counts, m, start_byte, end_byte, bu
     uu = np.zeros(ncls, np.int64)
     for c in range(ncls):
         if left[c] > 0:
-            b = 0
-            while (np.int64(1) << b) < m[c]:
-                b += 1
-            bw[c] = b
-            uu[c] = (np.int64(1) << b) - m[c]
+            bw[c] = _bit_width(m[c])
+            uu[c] = (np.int64(1) << bw[c]) - m[c]
             bitpos[c] = start_byte[c] << 3
             g, at = _golomb_read(buf, bitpos[c], end_byte[c] << 3, m[c], bw[c], uu[c])
             if g < 0:
@@ -195,7 +195,13 @@ def golomb_positions(base, lo, shift, cmask, counts, m, start_byte, end_byte, bu
 
 @_jit
 def golomb_bits(gaps, cls, m, out):
-    """out[c] += the bits class c's gaps take with Golomb parameter m[c]."""
+    """out[c] += the bits class c's gaps take with Golomb parameter m[c] (m[c] 0: none)."""
+    ncls = m.size
+    bw = np.empty(ncls, np.int64)
+    uu = np.empty(ncls, np.int64)
+    for c in range(ncls):
+        bw[c] = _bit_width(m[c]) if m[c] > 0 else 0
+        uu[c] = (np.int64(1) << bw[c]) - m[c]
     for j in range(gaps.size):
         c = cls[j]
         mc = m[c]
@@ -204,11 +210,7 @@ def golomb_bits(gaps, cls, m, out):
         q = gaps[j] // mc
         bits = q + 1
         if mc > 1:
-            b = 0
-            while (np.int64(1) << b) < mc:
-                b += 1
-            r = gaps[j] - q * mc
-            bits += b - 1 if r < (np.int64(1) << b) - mc else b
+            bits += bw[c] - 1 if gaps[j] - q * mc < uu[c] else bw[c]
         out[c] += bits
 
 

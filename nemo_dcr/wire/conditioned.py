@@ -38,7 +38,7 @@ CLASS_FIELDS = {"BF16": (7, 0xFF), "F16": (10, 0x1F)}
 MAX_GOLOMB = 1 << 40
 # Smallest change count a value group is closed at, tried in turn (the cheapest estimate wins).
 _GROUP_MINS = (1 << 62, 16384, 4096, 1024, 256)
-_M_FACTORS = (0.7, 0.85, 1.0, 1.2, 1.45)  # Golomb parameters tried around the geometric optimum
+_M_FACTORS = (0.8, 1.0, 1.25)  # Golomb parameters tried around the geometric optimum
 
 
 class BaselineSource(Protocol):
@@ -78,16 +78,12 @@ def encode_conditioned(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: 
         raise ValueError(f"conditioned coding: positions must increase strictly within the universe "
                          f"[{base.lo}, {base.hi}); change #{placed} does not")
     kc = np.bincount(cls, minlength=ncls).astype(np.int64)
-    m = _golomb_parameters(gaps, cls, kc, totals)
-    nbits = np.zeros(ncls, np.int64)
-    kernels.conditioned.golomb_bits(gaps, cls, m, nbits)
+    m, nbits = _golomb_parameters(gaps, cls, kc, totals)
     nbytes = (nbits + 7) >> 3
     start = np.zeros(ncls, np.int64)
     start[1:] = np.cumsum(nbytes)[:-1]
     stream = np.zeros(int(nbytes.sum()), np.uint8)
-    end = np.zeros(ncls, np.int64)
-    order = np.argsort(cls, kind="stable")
-    kernels.conditioned.golomb_write(gaps, order, cls, m, start, stream, end)
+    kernels.conditioned.golomb_write(gaps, cls, m, start, stream)
     used = np.flatnonzero(kc)
     head = [leb128_ints(used.size)]
     prev = -1
@@ -98,10 +94,11 @@ def encode_conditioned(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: 
     return psec, _encode_values(np.ascontiguousarray(vals).view(np.uint16), op is Op.ADD, cls, kc, ncls)
 
 
-def _golomb_parameters(gaps: np.ndarray, cls: np.ndarray, kc: np.ndarray, totals: np.ndarray) -> np.ndarray:
+def _golomb_parameters(gaps: np.ndarray, cls: np.ndarray, kc: np.ndarray, totals: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
     """Per class, the Golomb parameter that codes its gaps in the fewest bits among a few
-    around the optimum for a geometric distribution of its change rate; 0 where every gap
-    is 0 (the class's first elements all changed: no bits at all)."""
+    around the optimum for a geometric distribution of its change rate, and those bits; 0
+    where every gap is 0 (the class's first elements all changed: no bits at all)."""
     ncls = kc.size
     base = np.ones(ncls, np.float64)
     for c in np.flatnonzero(kc):
@@ -116,9 +113,10 @@ def _golomb_parameters(gaps: np.ndarray, cls: np.ndarray, kc: np.ndarray, totals
         kernels.conditioned.golomb_bits(gaps, cls, m, nb)
         better = nb < best_bits
         best[better], best_bits[better] = m[better], nb[better]
-    zero_gaps = np.bincount(cls, weights=gaps, minlength=ncls) == 0
-    best[zero_gaps & (kc > 0)] = 0
-    return best
+    zero_gaps = (np.bincount(cls, weights=gaps, minlength=ncls) == 0) & (kc > 0)
+    best[zero_gaps], best_bits[zero_gaps] = 0, 0
+    best_bits[kc == 0] = 0
+    return best, best_bits
 
 
 def _encode_values(vals: np.ndarray, add: bool, cls: np.ndarray, kc: np.ndarray, ncls: int) -> bytes:
