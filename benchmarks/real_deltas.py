@@ -410,7 +410,7 @@ def analyse_tensor(name: str, old: np.ndarray, new: np.ndarray, envelope: int) -
     cond = encode_exact([crec], [old], [new])
     nemo = nemo_rl_exact([(name, n, pos, xor)], [old], [new])
     row.update(op=op.value, ours_bytes=ours, nemo_rl_bytes=nemo, ours_cond_bytes=cond,
-               conditioned=b'"gaps_conditioned"' in data, cond_encode_s=enc_s, cond_decode_s=dec_s,
+               conditioned='"gaps_conditioned"' in codec.header_text(data), cond_encode_s=enc_s, cond_decode_s=dec_s,
                header_bytes=header_bytes(name, n, op, envelope),
                split_bytes=split_bytes(name, n, op, pos, vals, ours),
                cond_split_bytes=split_bytes(name, n, op, pos, vals, cond, old))

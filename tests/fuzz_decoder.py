@@ -56,7 +56,10 @@ from nemo_dcr import dtypes  # noqa: E402
 from nemo_dcr.errors import PayloadRejected  # noqa: E402
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record  # noqa: E402
 from nemo_dcr.runtimes.store import TensorStoreRuntime  # noqa: E402
+from nemo_dcr.receiver import CommittedBits  # noqa: E402
+from nemo_dcr.records import BaseSpan  # noqa: E402
 from nemo_dcr.wire import codec  # noqa: E402
+from nemo_dcr.wire.frame import FLAG_HEADER_ZSTD  # noqa: E402
 
 KEY = b"fuzz-key"
 HEADER = PayloadHeader("t-fuzz", 4, 5, "p0", "p0-000001")
@@ -103,6 +106,21 @@ def corpus(seed: int = 0) -> list[tuple[bytes, bytes | None]]:
             with _two_streams():
                 out.append((codec.encode(Payload(HEADER, recs), key=key), key))
             out.append((codec.encode(Payload(HEADER, tensors), key=key, version=6), key))
+    # Every tensor in one payload: a header long enough to travel compressed (flag bit 1).
+    recs = [_record(rng, n, Op.XOR, 0.03) for n in SHAPES]
+    out.append((codec.encode(Payload(HEADER, recs), key=KEY), KEY))
+    # Records coded against the receiver's bits (nemo_dcr.wire.conditioned): "f" holds weights.
+    old = F_BITS.numpy().view(np.uint16).reshape(-1)
+    w = F_BITS.view(torch.bfloat16).float()
+    new = (w + torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).sign() * 3e-5).bfloat16()
+    new = new.view(torch.int16).numpy().view(np.uint16).reshape(-1)
+    pos = np.flatnonzero(old != new)
+    for op in (Op.XOR, Op.ADD):
+        vals = old[pos] ^ new[pos] if op is Op.XOR else (new[pos] - old[pos]).astype(np.uint16)
+        data = codec.encode(Payload(HEADER, [Record("f", "BF16", SHAPES["f"][1], op, pos.astype(np.uint64), vals,
+                                                    base=BaseSpan(0, old))]))
+        assert "gaps_conditioned" in codec.header_text(data)
+        out.append((data, None))
     out.append((codec.encode(Payload(HEADER, []), key=None), None))
     return out
 
@@ -122,7 +140,10 @@ def _two_streams():
 
 def _split(data: bytes):
     magic, version, flags, hlen = FRAME_HEAD.unpack_from(data)
-    header = json.loads(data[12:12 + hlen])
+    hbytes = data[12:12 + hlen]
+    if flags & FLAG_HEADER_ZSTD:
+        hbytes = zstandard.ZstdDecompressor().decompress(hbytes)
+    header = json.loads(hbytes)
     body_len = header.get("body_bytes", 0)
     body = data[12 + hlen:12 + hlen + body_len]
     return version, flags, header, body
@@ -130,6 +151,8 @@ def _split(data: bytes):
 
 def _seal(version: int, flags: int, header: dict, body: bytes, key: bytes | None) -> bytes:
     hbytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    if flags & FLAG_HEADER_ZSTD:
+        hbytes = zstandard.ZstdCompressor(write_content_size=True).compress(hbytes)
     head = FRAME_HEAD.pack(b"NDCR", version, flags, len(hbytes)) + hbytes + body
     out = head + xxhash.xxh3_128_digest(head)  # for the versions a decoder must refuse too
     if flags & 1:
@@ -265,9 +288,14 @@ def _alarm(signum, frame):
     raise _Hang()
 
 
+# The receiver's weights of "f" (BF16 bits of N(0, 0.02)): what conditioned records decode against.
+F_BITS = (torch.randn(SHAPES["f"][1], generator=torch.Generator().manual_seed(5)) * 0.02).bfloat16().view(torch.int16)
+
+
 def store() -> TensorStoreRuntime:
-    return TensorStoreRuntime({n: torch.zeros(shape, dtype=dtypes.from_name(d).torch_dtype)
-                               for n, (d, shape) in SHAPES.items()})
+    tensors = {n: torch.zeros(shape, dtype=dtypes.from_name(d).torch_dtype) for n, (d, shape) in SHAPES.items()}
+    tensors["f"] = F_BITS.clone().view(torch.bfloat16)
+    return TensorStoreRuntime(tensors)
 
 
 def run(cases: int, seed: int = 0, *, memory_gb: float = 3.0, per_case_s: float = 5.0, log=print) -> dict:
@@ -294,7 +322,8 @@ def run(cases: int, seed: int = 0, *, memory_gb: float = 3.0, per_case_s: float 
             by_kind[label.split(":")[0]] += 1
             signal.setitimer(signal.ITIMER_REAL, per_case_s)
             try:
-                payload = codec.decode(mutated, key=rx_key, catalog=CATALOG, expected=EXPECTED)
+                payload = codec.decode(mutated, key=rx_key, catalog=CATALOG, expected=EXPECTED,
+                                       baselines=CommittedBits(runtime, None))
                 log_undo = runtime.apply(payload.records)  # a payload a forger could have made validly
                 runtime.revert(log_undo)
                 outcomes["accepted (valid after mutation)"] += 1

@@ -20,7 +20,7 @@ from nemo_dcr.records import Op, Payload, PayloadHeader, Record
 from nemo_dcr.wire import codec
 from nemo_dcr.wire.codec import FORMAT_VERSION, DecodeLimits, Expected, decode, encode, peek_header
 from nemo_dcr.wire.errors import PositionsError
-from nemo_dcr.wire.frame import CHECKSUM_BYTES, FLAG_HMAC, FRAME_HEAD_BYTES, HMAC_BYTES, MAGIC
+from nemo_dcr.wire.frame import CHECKSUM_BYTES, FLAG_HMAC, FRAME_HEAD_BYTES, HMAC_BYTES, MAGIC, header_json
 from nemo_dcr.wire.gaps import decode_gaps_rans, encode_gaps_rans
 from nemo_dcr.wire.positions import decode_runs, encode_runs
 from nemo_dcr.wire.rans import RansStream, encode_rans, model_bytes, quantize, read_model
@@ -76,7 +76,7 @@ def reject(data, reason: str, **kw) -> PayloadRejected:
 def split(data: bytes) -> tuple[int, dict, list[dict]]:
     """(flags, header dict, per record {"positions": frame|None, "values": frame})."""
     _, _, flags, hlen = struct.unpack_from("<4sHHI", data)
-    header = json.loads(data[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen])
+    header = json.loads(header_json(memoryview(data), flags, hlen, DecodeLimits()))
     body = data[FRAME_HEAD_BYTES + hlen:]
     secs = []
     for r in header["records"]:
@@ -1129,8 +1129,9 @@ def test_stored_section_rules_need_a_section():
 
     # The key may appear once, like any other.
     _, data = rans_payload()
-    hlen = struct.unpack_from("<I", data, 8)[0]
-    hbytes = data[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen].replace(b'"stored":true', b'"stored":true,"stored":true', 1)
+    _, _, flags, hlen = struct.unpack_from("<4sHHI", data)
+    hbytes = header_json(memoryview(data), flags, hlen, DecodeLimits())
+    hbytes = hbytes.replace(b'"stored":true', b'"stored":true,"stored":true', 1)
     reject(assemble(hbytes, data[FRAME_HEAD_BYTES + hlen:-CHECKSUM_BYTES]), "duplicate key")
 
 
@@ -1213,3 +1214,22 @@ def test_joint_encodings_come_together(monkeypatch):
         h["records"][0]["values"]["encoding"] = "symbols_rans"
     with pytest.raises(PayloadRejected, match="record 'big' (positions|values)"):
         decode(edited(swapped, data))
+
+
+def test_a_long_header_travels_compressed():
+    from nemo_dcr.wire.frame import FLAG_HEADER_ZSTD, HEADER_ZSTD_MIN
+
+    many = payload(*[rec(f"layer.{i}.weight", "BF16", (64,), [1, 5, 9], seed=i) for i in range(12)])
+    data = encode(many)
+    _, _, flags, hlen = struct.unpack_from("<4sHHI", data)
+    text = header_json(memoryview(data), flags, hlen, DecodeLimits())
+    assert flags & FLAG_HEADER_ZSTD and len(text) >= HEADER_ZSTD_MIN and hlen < len(text) / 2
+    assert_same(decode(data), many)
+    assert peek_header(data) == HDR
+    one = encode(payload(rec("w", "BF16", (64,), [1])))
+    assert not struct.unpack_from("<H", one, 6)[0] & FLAG_HEADER_ZSTD  # short headers stay plain
+    # A compressed header whose frame declares more than the limit is refused before decompressing.
+    reject(data, "max_header_bytes", limits=DecodeLimits(max_header_bytes=len(text) - 1))
+    bad = bytearray(data[:-CHECKSUM_BYTES])
+    bad[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + 4] = b"JUNK"
+    reject(bytes(bad) + checksum(bytes(bad)), "not a zstd frame")

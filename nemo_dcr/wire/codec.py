@@ -32,8 +32,8 @@ from ..errors import PayloadRejected
 from ..records import BaseSpan, Op, Payload, PayloadHeader, Record
 from . import conditioned, prefix
 from .errors import Malformed, PositionsError
-from .frame import FRAME_HEAD_BYTES, MAX_WINDOW, bytes_view, check_trailer, key_bytes, parse_frame_head, seal, \
-    section_bytes, sniff
+from .frame import FRAME_HEAD_BYTES, MAX_WINDOW, bytes_view, check_trailer, header_json, key_bytes, \
+    parse_frame_head, seal, section_bytes, sniff
 from .gaps import GapsParts, GapsReader, encode_gaps_rans, gaps_parts
 from .header import BASELINE, CONDITIONED, JOINT, PREFIX_CODED, STORED, DecodeLimits, Expected, RecordMeta, \
     check_catalog, check_expected, check_identity, numel_of, parse_header
@@ -417,7 +417,7 @@ def decode(
     mv = bytes_view(data)
     with _Rejecting() as guard:
         version, flags, hlen, body_len = parse_frame_head(mv, limits)
-        hbytes = bytes(mv[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen])
+        hbytes = header_json(mv, flags, hlen, limits)
         guard.pid, declared_body = sniff(hbytes)
         if declared_body is not None and declared_body != body_len:
             want = len(mv) - body_len + declared_body
@@ -437,6 +437,15 @@ def decode(
         return Payload(header=header, records=records)
 
 
+def header_text(data: bytes | memoryview, *, limits: DecodeLimits = DecodeLimits()) -> str:
+    """The payload's header JSON as text (decompressed where it travels compressed), to
+    see what the encoder chose; nothing is validated beyond the frame head."""
+    mv = bytes_view(data)
+    with _Rejecting():
+        _, flags, hlen, _ = parse_frame_head(mv, limits)
+        return header_json(mv, flags, hlen, limits).decode("utf-8", "replace")
+
+
 def peek_header(data: bytes | memoryview, *, limits: DecodeLimits = DecodeLimits()) -> PayloadHeader:
     """The payload's identity, for dedup and routing, without touching the body.
 
@@ -445,8 +454,8 @@ def peek_header(data: bytes | memoryview, *, limits: DecodeLimits = DecodeLimits
     """
     mv = bytes_view(data)
     with _Rejecting() as guard:
-        version, _, hlen, body_len = parse_frame_head(mv, limits)
-        hbytes = bytes(mv[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen])
+        version, flags, hlen, body_len = parse_frame_head(mv, limits)
+        hbytes = header_json(mv, flags, hlen, limits)
         guard.pid, _ = sniff(hbytes)
         header, _ = parse_header(hbytes, body_len, limits, version)
         return header

@@ -4,9 +4,11 @@ sections, the checksum and HMAC trailer. All integers little-endian:
     offset          size   field
     0               4      magic b"NDCR"
     4               2      u16 format version: 5 (the host format) or 6 (the device format)
-    6               2      u16 flags; bit 0 = HMAC present, other bits must be 0
-    8               4      u32 header length H
-    12              H      header: JSON, UTF-8, sorted keys, no whitespace (`header`)
+    6               2      u16 flags; bit 0 = HMAC present, bit 1 = header zstd-compressed,
+                           other bits must be 0
+    8               4      u32 header length H (as it is on the wire)
+    12              H      header: JSON, UTF-8, sorted keys, no whitespace (`header`); with
+                           flag bit 1, one zstd frame of it that declares its content size
     12+H            B      body: sections, back to back, in record order
                            (each record: positions section, then values section)
     12+H+B          16     XXH3-128 of bytes [0, 12+H+B), xxh3_128_digest (big-endian)
@@ -37,6 +39,11 @@ from .versions import READABLE_VERSIONS, readable_versions_text
 
 MAGIC = b"NDCR"
 FLAG_HMAC = 0x0001
+FLAG_HEADER_ZSTD = 0x0002
+FLAGS = FLAG_HMAC | FLAG_HEADER_ZSTD
+# Headers of at least this many bytes are sent zstd-compressed when that is smaller: a
+# payload of many records repeats every record's keys (~250 bytes a record as JSON).
+HEADER_ZSTD_MIN = 1024
 FRAME_HEAD = struct.Struct("<4sHHI")
 FRAME_HEAD_BYTES = FRAME_HEAD.size  # 12
 CHECKSUM_BYTES = 16
@@ -68,8 +75,12 @@ def key_bytes(key: bytes) -> bytes:
 
 def seal(version: int, hbytes: bytes, sections: list, key: bytes | None) -> bytes:
     """The payload: frame head, header, sections (bytes-like chunks, in order), checksum
-    and, with a key, the HMAC (flag bit 0)."""
+    and, with a key, the HMAC (flag bit 0). A long header goes compressed (flag bit 1)."""
     flags = FLAG_HMAC if key is not None else 0
+    if len(hbytes) >= HEADER_ZSTD_MIN:
+        packed = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(hbytes)
+        if len(packed) < len(hbytes):
+            hbytes, flags = packed, flags | FLAG_HEADER_ZSTD
     # Checksum and HMAC over the parts as they are, then one join: no whole-payload copies.
     parts = [FRAME_HEAD.pack(MAGIC, version, flags, len(hbytes)), hbytes, *sections]
     parts.append(checksum(*parts))
@@ -119,8 +130,8 @@ def parse_frame_head(mv: memoryview, limits: DecodeLimits) -> tuple[int, int, in
     _, version, flags, hlen = FRAME_HEAD.unpack(mv[:FRAME_HEAD_BYTES])
     if version not in READABLE_VERSIONS:
         raise Malformed(f"unsupported format version {version} (this decoder reads {readable_versions_text()})")
-    if flags & ~FLAG_HMAC:
-        raise Malformed(f"unknown flag bits 0x{flags & ~FLAG_HMAC:04x}")
+    if flags & ~FLAGS:
+        raise Malformed(f"unknown flag bits 0x{flags & ~FLAGS:04x}")
     if hlen > limits.max_header_bytes:
         raise Malformed(f"header of {hlen} bytes exceeds limit max_header_bytes={limits.max_header_bytes}")
     trailer = CHECKSUM_BYTES + (HMAC_BYTES if flags & FLAG_HMAC else 0)
@@ -128,6 +139,30 @@ def parse_frame_head(mv: memoryview, limits: DecodeLimits) -> tuple[int, int, in
     if body_len < 0:
         raise Malformed(f"truncated: {n} bytes cannot hold the {hlen}-byte header and {trailer}-byte trailer")
     return version, flags, hlen, body_len
+
+
+def header_json(mv: memoryview, flags: int, hlen: int, limits: DecodeLimits) -> bytes:
+    """The header's JSON bytes: as they are, or (flag bit 1) its zstd frame decompressed,
+    the declared size checked against max_header_bytes first."""
+    raw = mv[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen]
+    if not flags & FLAG_HEADER_ZSTD:
+        return bytes(raw)
+    if bytes(raw[:4]) != _ZSTD_FRAME_MAGIC:
+        raise Malformed("compressed header is not a zstd frame")
+    try:
+        size = zstandard.get_frame_parameters(raw).content_size
+    except zstandard.ZstdError as e:
+        raise Malformed(f"compressed header: bad zstd frame header ({e})") from None
+    if size == zstandard.CONTENTSIZE_UNKNOWN or not 0 < size <= limits.max_header_bytes:
+        raise Malformed(f"compressed header declares {size} bytes (limit max_header_bytes={limits.max_header_bytes})")
+    try:
+        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
+            raw, max_output_size=size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise Malformed(f"compressed header: zstd decompression failed ({e})") from None
+    if len(out) != size:
+        raise Malformed(f"compressed header: {len(out)} bytes, its frame declares {size}")
+    return out
 
 
 def sniff(hbytes: bytes) -> tuple[str | None, int | None]:
