@@ -225,3 +225,33 @@ def test_real_deltas_benchmark_smoke(tmp_path):
     minilm = res["models"][0]
     assert minilm["params"] > 20_000_000  # the pretrained MiniLM-L6, not a stand-in
     assert minilm["runs"][0]["totals"]["split_records"] > 0  # its larger records get the split cost too
+
+
+def test_gpu_device_path_benchmark_smoke(tmp_path):
+    """The one-GPU script on CPU tensors (benchmarks/gpu_device_path.py): its three parts -
+    the v6 producer beside a device copy, a whole refit into a Hugging Face receiver over the
+    local transport, the conditioned decoders - each row checked bit for bit."""
+    out = tmp_path / "gpu_device_path.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_device_path.py", "--device", "cpu", "--smoke", "--json",
+                           str(out)], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "gpu_device_path" and res["smoke"] and res["device"] == "cpu"
+    assert res["all_verified"] and not res["budget"]["skipped"] and "cpu" in res["machine"]
+    assert res["budget"]["gpu_full_run_estimate"]["total_s"] < 540
+    prod = res["producer"]
+    assert prod["device_coding"] == "always" and prod["all_bit_exact"] and prod["target_ratio"] == 0.25
+    assert {(r["rate"], r["op"]) for r in prod["rows"]} == {(x, op) for x in (0.01, 0.03, 0.05) for op in ("xor", "auto")}
+    for r in prod["rows"]:
+        assert r["bit_exact"] and r["verify_s"] > 0 and r["changed"] > 0 and r["wire_bytes"] > 0
+        assert r["memcpy_gbs"] > 0 and r["ratio_to_memcpy"] == r["refit_gbs"] / r["memcpy_gbs"] > 0
+    refit = res["refit"]
+    assert refit["device_payloads"] is False and "codec.encode" in refit["device_payloads_reason"]
+    assert refit["all_bit_exact"] and len(refit["rows"]) == 4 and refit["rows"][0]["warm_up"]
+    for r in refit["rows"]:
+        assert r["bit_exact"] and r["committed"] and r["changed_elements"] > 0 and r["refit_wall_s"] > 0
+    dec = res["decode"]
+    assert dec["all_bit_exact"] and len(dec["rows"]) == 4
+    for r in dec["rows"]:
+        assert r["bit_exact"] and 0.005 < r["rate"] < 0.1 and r["host_elements_per_s"] > 0
+        assert r["device_elements_per_s"] > 0 and r["device_changes_per_s"] > 0
