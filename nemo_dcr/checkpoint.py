@@ -13,6 +13,25 @@ from safetensors import safe_open
 from nemo_dcr.dtypes import from_name
 
 
+def local_checkpoint(model: str | os.PathLike, *, revision: str | None = None,
+                     cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of safetensors files that `model` names: a folder itself, or a Hugging
+    Face hub id already downloaded into the local cache (`cache_dir`: a cache other than
+    the default one, e.g. vLLM's `download_dir`), as a serving runtime or NeMo RL that
+    loaded it left it; nothing is downloaded."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=["*.json", "*.safetensors"], local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any miss is the same problem for the user
+        raise FileNotFoundError(f"NeMo-DCR: {str(model)!r} is neither a checkpoint folder nor in the local Hugging "
+                                f"Face cache ({type(e).__name__}: {e})") from None
+
+
 def safetensors_files(directory: str | os.PathLike) -> list[Path]:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:

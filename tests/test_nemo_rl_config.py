@@ -85,6 +85,7 @@ def with_block(**changes) -> dict:
     ({"s3": {"bucket": "b"}}, f"{PATH}.s3: settings for a transport that is not selected (transport: local)"),
     ({"transport": "s3", "local": None, "s3": {"region": "x"}}, f"{PATH}.s3.bucket is required by the s3 transport"),
     ({"key_env": ""}, f"{PATH}.key_env: must be a non-empty string"),
+    ({"conditioned": "yes"}, f"{PATH}.conditioned: must be true or false (a YAML boolean) (got 'yes')"),
 ])
 def test_each_mistake_names_its_field(changes, expected, nemo_rl):
     with pytest.raises(ConfigError) as err:
@@ -94,6 +95,14 @@ def test_each_mistake_names_its_field(changes, expected, nemo_rl):
     _, create_checkpoint_engine, _ = nemo_rl
     with pytest.raises(ConfigError, match="invalid NeMo-DCR refit config"):
         create_checkpoint_engine(ENGINE_PATH, bucket_size_bytes=1 << 20, engine_kwargs=with_block(**changes))
+
+
+def test_conditioned_coding_is_off_unless_set_to_true():
+    assert DCRRefitConfig.parse(with_block()).conditioned is False
+    assert DCRRefitConfig.parse(with_block(conditioned=True)).conditioned is True
+    for bad in (1, "true", "false", 0):  # a truthy stand-in is refused, not read as a boolean
+        with pytest.raises(ConfigError, match=r"\.conditioned: must be true or false"):
+            DCRRefitConfig.parse(with_block(conditioned=bad))
 
 
 def test_every_problem_at_once():

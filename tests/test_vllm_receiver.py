@@ -299,3 +299,112 @@ def test_engine_on_dummy_weights_is_caught_and_resynced(versions, workers, tmp_p
             refit.close(shutdown_receivers=False)
         transport.cleanup()
         rx.close()
+
+
+def _adamw_versions(checkpoint: Path, steps: int = 3, lr: float = 1e-4) -> list[dict[str, torch.Tensor]]:
+    """The BF16 weights a trainer serves after each of `steps` AdamW steps on FP32 master
+    weights loaded from `checkpoint` (random gradients): small weights cross a rounding
+    boundary more often than large ones, which conditioned coding exploits."""
+    master = transformers.Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    opt = torch.optim.AdamW(master.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        for p in master.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        out.append({n: p.detach().bfloat16() for n, p in master.named_parameters()})
+    return out
+
+
+def _refit_in_process(checkpoint: Path, steps: list[dict], tmp: Path, conditioned: bool) -> int:
+    """The same refits to a receiver holding a tensor store (in this process): wire bytes."""
+    import threading
+
+    from nemo_dcr.receiver import Receiver
+    from nemo_dcr.runtimes.store import TensorStoreRuntime
+
+    served = transformers.Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    transport = registry.transport("local", {"dir": str(tmp / "shm"), "timeout_s": 60}, receivers=["store"])
+    rx = Receiver("store", TensorStoreRuntime({n: p.detach().clone() for n, p in served.named_parameters()}),
+                  transport.receiver("store"))
+    thread = threading.Thread(target=rx.serve_forever, daemon=True)
+    thread.start()
+    refit = TrainerRefit(registry.converter("identity", served.config), read_specs(checkpoint),
+                         torch_owned_ranges(served), ParallelLayout(), transport, state_dir=str(tmp / "state"),
+                         timeout_s=60, conditioned=conditioned)
+    wire = 0
+    try:
+        for state in steps:
+            with torch.no_grad():
+                for name, t in state.items():
+                    served.get_parameter(name).copy_(t)
+            result = refit.refit()
+            assert result.decision.committed and result.attempts == 1
+            wire += result.wire_bytes
+    finally:
+        refit.close(shutdown_receivers=True)
+        thread.join(timeout=30)
+        transport.cleanup()
+    return wire
+
+
+def test_conditioned_refits_decode_against_a_canonical_mirror(versions, tmp_path):
+    """A trainer coding records against the committed bits (`conditioned=True`; FP32
+    master weights, AdamW, BF16 served copies) refits a vLLM worker started with
+    `dcr_start(..., conditioned=True)`, which keeps a canonical host mirror read from the
+    checkpoint vLLM loaded (its own weights are fused and repacked). Three refits, staged
+    in the background as the `backend: "dcr"` engine stages them: every one commits in one
+    attempt (no conditioned record refused), in fewer wire bytes than the same refits
+    coded plainly, and the worker ends with a fresh vLLM load's bits and greedy tokens."""
+    root = versions["root"]
+    steps = _adamw_versions(root / "v0")
+    export = tmp_path / "final"
+    model = transformers.Qwen3ForCausalLM.from_pretrained(root / "v0", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, t in steps[-1].items():
+            model.get_parameter(name).copy_(t)
+    model.save_pretrained(export)
+    assert read_specs(export) == read_specs(root / "v0")
+    ext = "nemo_dcr.integrations.vllm.worker_extension.DCRWorkerExtension"
+    rx = VLLMWorker(root / "v0", tmp_path / "rx.log", ext)
+    fresh = VLLMWorker(export, tmp_path / "fresh.log", ext)
+    transport = registry.transport("local", {"dir": str(tmp_path / "shm"), "timeout_s": 60}, receivers=["rxc"])
+    refit = None
+    try:
+        plain = _refit_in_process(root / "v0", steps, tmp_path / "plain", conditioned=False)  # while vLLM starts
+        for w in (rx, fresh):
+            w.ready = w.read("start-up")
+        started = rx.rpc("dcr_start", str(root / "v0"), "local", {"dir": str(tmp_path / "shm"), "timeout_s": 60},
+                         "rxc", conditioned=True)
+        specs = read_specs(root / "v0")
+        assert started["mirror_bytes"] == sum(2 * int(np.prod(shape)) for _, shape in specs.values())  # BF16
+        print(f"canonical mirror: {started['mirror_bytes']} bytes, {len(specs)} tensors", file=sys.stderr)
+        rx.rpc("dcr_background_start")
+        trainer = transformers.Qwen3ForCausalLM.from_pretrained(root / "v0", dtype=torch.bfloat16)
+        refit = TrainerRefit(registry.converter("identity", trainer.config), specs, torch_owned_ranges(trainer),
+                             ParallelLayout(), transport, state_dir=str(tmp_path / "state"), timeout_s=60,
+                             conditioned=True)
+        wire = 0
+        for version, state in enumerate(steps, start=1):
+            with torch.no_grad():
+                for name, t in state.items():
+                    trainer.get_parameter(name).copy_(t)
+            rx.send(op="rpc", method="dcr_update", args=[version, 120], kwargs={})
+            result = refit.refit()
+            (update,) = rx.read("dcr_update")
+            assert result.decision.committed and result.attempts == 1, result.decision
+            assert update["ok"] and update["version"] == version, update
+            wire += result.wire_bytes
+        print(f"wire bytes of 3 refits: {wire} conditioned, {plain} plain", file=sys.stderr)
+        assert wire < 0.8 * plain, (wire, plain)  # the records were coded against the mirror's bits
+        assert compare_digests(state_digests(steps[-1]), rx.rpc("dcr_digests")) == []
+        want = fresh.rpc("dcr_loader_digests", str(export))
+        assert compare_digests(want, rx.rpc("dcr_loader_digests")) == []
+        assert [rx.generate(p) for p in PROMPTS] == [fresh.generate(p) for p in PROMPTS]
+    finally:
+        if refit is not None:
+            refit.close(shutdown_receivers=False)
+        transport.cleanup()
+        rx.close()
+        fresh.close()

@@ -71,6 +71,11 @@ class DCRRefitConfig(BaseModel):
     max_attempts: Annotated[int, Field(ge=1)] = 3
     wire_version: int = FORMAT_VERSION
     state_digest: bool = True
+    # Baseline-conditioned coding (nemo_dcr.wire.conditioned): policy ranks code records
+    # against the committed bits both ends hold (smaller under AdamW); vLLM workers that do
+    # not hold canonical layout (shard_local: true) keep a canonical host mirror of the
+    # tensors they serve (2 bytes a BF16 parameter). true or false only.
+    conditioned: bool = False
     # The shard-local tier (needs NeMo RL with patches/nemo-rl/checkpoint-engine-shard-local
     # .patch): capture from the optimizer's owned shards, apply in place in vLLM.
     shard_local: bool = False
@@ -105,6 +110,13 @@ class DCRRefitConfig(BaseModel):
         known = registry.available("nemo_dcr.converters")
         if value is not None and value not in known:
             raise ValueError(f"{value!r} is not one of: {', '.join(known)}")
+        return value
+
+    @field_validator("conditioned", mode="before")
+    @classmethod
+    def _true_or_false(cls, value: Any) -> bool:
+        if not isinstance(value, bool):  # not "yes", 1 or "false" read as a truth value
+            raise ValueError("must be true or false (a YAML boolean)")
         return value
 
     @field_validator("state_dir", "key_env")

@@ -13,6 +13,10 @@ The mirror is built from the catalog the trainer's rank 0 announces before each
 transfer; it starts at zeros, marked as holding no version, so the first refit resyncs
 it densely (all tensors are yielded then: this also covers vLLM's
 `load_format="dummy"` start).
+
+The mirror is a tensor store in canonical layout, so with `conditioned: true` the
+receiver decodes baseline-conditioned records against it in place: no second copy (unlike
+the shard-local tier's `nemo_dcr.mirror.CanonicalMirror`).
 """
 
 from __future__ import annotations

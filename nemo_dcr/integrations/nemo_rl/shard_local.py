@@ -10,7 +10,9 @@ Then:
   (`capture.megatron_owned_ranges`), in Megatron's own layout, mapped to canonical
   coordinates by the family's converter: no export, no gather, no share copy;
 - each vLLM worker applies the changed bits in place through vLLM's own loader
-  (`runtimes.vllm.VLLMRuntime`, reverted on abort): no host mirror, no dense load.
+  (`runtimes.vllm.VLLMRuntime`, reverted on abort): no host mirror, no dense load
+  (unless `conditioned: true`: then each keeps a canonical host mirror of the tensors it
+  serves, `nemo_dcr.mirror.CanonicalMirror`, that conditioned records decode against).
 """
 
 from __future__ import annotations
@@ -32,16 +34,9 @@ def local_checkpoint(model_name: str) -> Path:
     """The Hugging Face checkpoint folder of `model_name` (a path, or a hub id already in
     the local cache, where NeMo RL downloaded it): its safetensors headers are the
     canonical catalog."""
-    path = Path(model_name)
-    if path.is_dir():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
+    from nemo_dcr.checkpoint import local_checkpoint as resolve
 
-        return Path(snapshot_download(model_name, allow_patterns=["*.json", "*.safetensors"], local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - any miss is the same problem for the user
-        raise FileNotFoundError(f"NeMo-DCR: {model_name!r} is neither a checkpoint folder nor in the local Hugging "
-                                f"Face cache ({type(e).__name__}: {e})") from None
+    return resolve(model_name)
 
 
 class OwnedShardRefit:
@@ -69,7 +64,7 @@ class OwnedShardRefit:
                                   state_dir=state_dir, op=s.op, key=s.key(), timeout_s=s.timeout_s,
                                   max_payload_elements=s.max_payload_elements, encode_threads=s.encode_threads,
                                   wire_version=s.wire_version, max_attempts=s.max_attempts,
-                                  state_digest=s.state_digest, log=log.warning)
+                                  state_digest=s.state_digest, conditioned=s.conditioned, log=log.warning)
         self.refits = 0
 
     def send(self) -> dict:
@@ -95,10 +90,21 @@ class InPlaceReceiver:
 
         self.settings, self.id = settings, receiver_id
         self.end = transport.receiver(receiver_id)
-        runtime = VLLMRuntime(model, local_checkpoint(model_name), full_coverage=tensor_parallel == 1,
+        checkpoint = local_checkpoint(model_name)
+        runtime = VLLMRuntime(model, checkpoint, full_coverage=tensor_parallel == 1,
                               holds_checkpoint=holds_checkpoint)
+        self.mirror = None
+        if settings.conditioned and not getattr(runtime, "canonical_layout", False):
+            # vLLM's weights are fused, repacked and sharded: conditioned records decode
+            # against a canonical host copy of what this worker serves, from the checkpoint
+            # (an engine on dummy weights is resynced densely first, which moves it too).
+            from nemo_dcr.mirror import CanonicalMirror
+
+            self.mirror = CanonicalMirror.from_checkpoint(checkpoint, names=runtime.catalog())
+            log.info("[%s] canonical mirror of %d tensors from %s for conditioned coding: %.1f MiB of host memory",
+                     receiver_id, len(self.mirror.bits_by_name), checkpoint, self.mirror.nbytes / 2**20)
         self.receiver = Receiver(receiver_id, runtime, self.end, key=settings.key(),
-                                 state_digest=settings.state_digest, log=log.info)
+                                 state_digest=settings.state_digest, log=log.info, mirror=self.mirror)
         self.last: dict = {}
 
     def update(self) -> bool:

@@ -168,7 +168,7 @@ class SharedExportRefit:
             state_dir=state_dir, op=s.op, key=s.key(), timeout_s=s.timeout_s,
             max_payload_elements=s.max_payload_elements, encode_threads=s.encode_threads,
             wire_version=s.wire_version, max_attempts=s.max_attempts, state_digest=s.state_digest,
-            log=log.warning)
+            conditioned=s.conditioned, log=log.warning)
 
     def _absorb(self, weights: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Collective: read the stream into the shares (seconds taken); ValueError on

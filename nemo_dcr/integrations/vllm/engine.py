@@ -15,7 +15,9 @@ vLLM builds one engine per worker with that worker's `model`, then drives it:
   keeps serving v, and the trainer's refit raises.
 
 Under vLLM TP each worker is its own receiver, `<receiver_id>-tp<rank>`, and applies what
-its shard holds. Refused with a clear error: pipeline parallelism, expert parallelism,
+its shard holds. With `DCRInitInfo.conditioned` (the trainer's `conditioned=True`) each
+worker also keeps a canonical host mirror of the tensors it serves, read from the
+checkpoint, that conditioned records are decoded against (docs/vllm.md). Refused with a clear error: pipeline parallelism, expert parallelism,
 quantized models and draft-model updates.
 """
 
@@ -49,6 +51,10 @@ class DCRInitInfo(WeightTransferInitInfo):
     checkpoint_dir: str | None = None  # the canonical catalog's checkpoint (default: the served model's)
     timeout_s: float = 300.0  # how long finish_weight_update waits for the decision
     history: str | None = None  # a folder or "s3": deltas and anchors to catch up from
+    # The trainer codes records against the committed bits (DCRTrainerInitInfo.conditioned):
+    # each worker keeps a canonical host mirror of the tensors it serves, read from the
+    # checkpoint (2 bytes a BF16 parameter, the whole tensors also under TP).
+    conditioned: bool = False
 
 
 @dataclass
@@ -105,13 +111,17 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
     def init_transfer_engine(self, init_info: DCRInitInfo) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
 
+        if not isinstance(init_info.conditioned, bool):
+            raise ValueError(f"weight transfer backend 'dcr': init_info.conditioned must be true or false, got "
+                             f"{init_info.conditioned!r}")
         if self.host is not None:  # a new trainer connection: the old receiver goes first
             self.host.dcr_close()
         self.host = _EngineHost(self.model, self.vllm_config, get_tensor_model_parallel_rank())
         self.info = init_info
         self.started = self.host.dcr_start(init_info.checkpoint_dir or self.model_config.model, init_info.transport,
                                            dict(init_info.transport_config), init_info.receiver_id,
-                                           init_info.key_env, 0, init_info.history)
+                                           init_info.key_env, 0, init_info.history,
+                                           conditioned=init_info.conditioned)
         self.host.dcr_background_start()
         log.info("nemo-dcr: receiver %s ready (%d canonical tensors)", self.started["receiver_id"],
                  self.started["catalog"])

@@ -63,6 +63,9 @@ class DCRTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 300.0
     max_attempts: int = 1  # one attempt per vLLM update call
     world_size: int = 1  # trainer ranks running send_weights (torch.distributed's default group)
+    # Code records against the committed bits both ends hold (smaller under AdamW); every
+    # vLLM worker then keeps a canonical host mirror of what it serves (docs/vllm.md).
+    conditioned: bool = False
 
 
 class ServedDtypeSource(ModuleSource):
@@ -120,7 +123,8 @@ class DCRTrainerEngine(TrainerWeightTransferEngine[DCRTrainerInitInfo]):
         clients = list(client) if isinstance(client, (list, tuple)) else [client]
         block = {"transport": init_info.transport, init_info.transport: dict(init_info.transport_config),
                  "key_env": init_info.key_env, "state_dir": init_info.state_dir, "op": init_info.op,
-                 "timeout_s": init_info.timeout_s, "max_attempts": init_info.max_attempts}
+                 "timeout_s": init_info.timeout_s, "max_attempts": init_info.max_attempts,
+                 "conditioned": init_info.conditioned}
         settings = DCRRefitConfig.parse({k: v for k, v in block.items() if v is not None}, where="DCRTrainerInitInfo")
         if init_info.tensor_parallel_size < 1 or init_info.world_size < 1:
             raise ConfigError(["DCRTrainerInitInfo.tensor_parallel_size and world_size must be >= 1"])
@@ -133,7 +137,8 @@ class DCRTrainerEngine(TrainerWeightTransferEngine[DCRTrainerInitInfo]):
             for i, c in enumerate(clients):
                 c.init_weight_transfer_engine({
                     "transport": init_info.transport, "transport_config": dict(init_info.transport_config),
-                    "receiver_id": f"vllm{i}", "key_env": init_info.key_env, "timeout_s": init_info.timeout_s})
+                    "receiver_id": f"vllm{i}", "key_env": init_info.key_env, "timeout_s": init_info.timeout_s,
+                    "conditioned": settings.conditioned})
         return engine
 
     def send_weights(self) -> dict[str, float]:

@@ -42,11 +42,19 @@ class DCRWorkerExtension:
 
     def dcr_start(self, checkpoint_dir: str, transport: str, transport_config: dict, receiver_id: str,
                   key_env: str | None = None, version: int = 0, history: str | None = None,
-                  holds_checkpoint: bool | None = None) -> dict:
+                  holds_checkpoint: bool | None = None, conditioned: bool = False) -> dict:
         """Build the adapter on this worker's model and open a receiver end (`history`: a
         directory or "s3" to catch up from when behind or uncertain). `holds_checkpoint`:
         whether the engine loaded `checkpoint_dir` (default: unless its load format is
-        "dummy"); one that did not is resynced densely by its first refit."""
+        "dummy"); one that did not is resynced densely by its first refit.
+
+        `checkpoint_dir`: a folder, or a Hugging Face hub id the engine loaded (resolved
+        in the local cache, vLLM's `download_dir` if set). `conditioned`: the trainer codes
+        records against the committed bits (`TrainerRefit(conditioned=True)`); vLLM's
+        weights are fused, repacked and sharded, so the receiver keeps a canonical host
+        mirror (`nemo_dcr.mirror.CanonicalMirror`) of every canonical tensor this worker
+        serves, read from `checkpoint_dir`: one whole copy of each, also under TP (2 bytes
+        a BF16 parameter), decoded against when a payload is staged."""
         from nemo_dcr import registry
         from nemo_dcr.history import open_history
         from nemo_dcr.receiver import Receiver
@@ -64,8 +72,12 @@ class DCRWorkerExtension:
         if holds_checkpoint is None:  # an engine started on dummy weights holds no version
             load_format = getattr(getattr(getattr(self, "vllm_config", None), "load_config", None), "load_format", None)
             holds_checkpoint = str(getattr(load_format, "value", load_format)) != "dummy"
+        checkpoint_dir = self._dcr_checkpoint(checkpoint_dir)
         runtime = VLLMRuntime(self._dcr_model(), checkpoint_dir, full_coverage=tp == 1,
                               holds_checkpoint=holds_checkpoint)
+        mirror = None
+        if conditioned and not getattr(runtime, "canonical_layout", False):
+            mirror = self._dcr_mirror(checkpoint_dir, runtime)
         rid = receiver_id if tp == 1 else f"{receiver_id}-tp{rank}"
         key = None
         if key_env:
@@ -75,12 +87,40 @@ class DCRWorkerExtension:
             key = value.encode()
         wiring = registry.transport(transport, dict(transport_config))
         self._dcr_receiver = Receiver(rid, runtime, wiring.receiver(rid), version=version, key=key,
-                                      history=open_history(history, wiring))
+                                      history=open_history(history, wiring), mirror=mirror)
+        if mirror is not None:
+            _log.info("nemo-dcr: receiver %s keeps a canonical mirror of %d tensors from %s for conditioned "
+                      "coding: %.1f MiB of host memory", rid, len(mirror.bits_by_name), checkpoint_dir,
+                      mirror.nbytes / 2**20)
         return {"receiver_id": rid, "catalog": len(runtime.catalog()), "ignored": dict(runtime.ignored),
+                "mirror_bytes": 0 if mirror is None else mirror.nbytes,
                 "kept_loader_format": sorted(f"{type(m).__name__}.{n}" for m, ps in runtime._kept.items()
                                              for n in ps),
                 "holds_checkpoint": holds_checkpoint, "state_digest": self._dcr_receiver.state_digest,
                 "setup_s": time.perf_counter() - t}
+
+    def _dcr_checkpoint(self, checkpoint_dir: str) -> str:
+        """`checkpoint_dir` as a folder: a hub id is looked up in the local cache."""
+        if os.path.isdir(checkpoint_dir):
+            return checkpoint_dir
+        from nemo_dcr.checkpoint import local_checkpoint
+
+        config = getattr(self, "vllm_config", None)
+        revision = getattr(getattr(config, "model_config", None), "revision", None)
+        cache_dir = getattr(getattr(config, "load_config", None), "download_dir", None)
+        try:
+            return str(local_checkpoint(checkpoint_dir, revision=revision, cache_dir=cache_dir))
+        except FileNotFoundError as e:
+            raise ApplyError(f"cannot read the catalog of {checkpoint_dir}: {e}") from None
+
+    @staticmethod
+    def _dcr_mirror(checkpoint_dir: str, runtime: VLLMRuntime):
+        """The canonical host mirror of every tensor `runtime` serves, from the checkpoint
+        the engine loaded (one started on dummy weights is resynced densely by its first
+        refit, which moves the mirror too)."""
+        from nemo_dcr.mirror import CanonicalMirror
+
+        return CanonicalMirror.from_checkpoint(checkpoint_dir, names=runtime.catalog())
 
     def dcr_serve(self, until_version: int | None = None, timeout_s: float = 60.0, poll_s: float = 0.02) -> dict:
         """Handle transport events until serving `until_version` (or shutdown / timeout)."""
