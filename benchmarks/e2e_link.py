@@ -66,8 +66,11 @@ def log(msg: str) -> None:
 
 # --- inside -------------------------------------------------------------------------------
 
-def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int = 0) -> int:
-    """A random BF16 Qwen3-style checkpoint, written tensor by tensor (no full model in RAM)."""
+def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int = 0, weights: str = "random") -> int:
+    """A BF16 Qwen3-style checkpoint, written tensor by tensor (no full model in RAM):
+    random-init (N(0, 0.02), norms 1 + N(0, 0.05)), or with `weights` "minilm" every tensor
+    a seeded resample of the pretrained MiniLM tensor of its role (benchmarks/real_deltas.py,
+    `qwen3_sources`): statistics-matched to real weights."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3Config
@@ -90,8 +93,17 @@ def write_checkpoint(path: Path, hidden: int, layers: int, vocab: int, seed: int
             files += 1
             shard, shard_bytes = {}, 0
 
+    minilm = None
+    if weights == "minilm":
+        from benchmarks.real_deltas import load_minilm, qwen3_sources
+
+        minilm = {k: v.detach().reshape(-1) for k, v in load_minilm().state_dict().items()}
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if minilm is not None:
+            src = minilm[qwen3_sources(name)]
+            idx = torch.randint(0, src.numel(), shape, generator=g)
+            t = src[idx].to(torch.bfloat16)
+        elif len(shape) == 1:
             t = (1 + 0.05 * torch.randn(shape, generator=g)).to(torch.bfloat16)
         else:
             t = (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
@@ -244,7 +256,7 @@ def inside(args) -> int:
     try:
         ckpt = work / "checkpoint"
         log(f"1/5 writing a {args.layers}-layer, hidden-{args.hidden} BF16 checkpoint to {ckpt}")
-        params = write_checkpoint(ckpt, args.hidden, args.layers, args.vocab)
+        params = write_checkpoint(ckpt, args.hidden, args.layers, args.vocab, weights=args.weights)
         dense_bytes = params * 2
         log(f"    {params / 1e9:.3f}B params, {dense_bytes / 1e9:.2f} GB")
         link_bps = measure_link(args.link_probe_mb << 20)
@@ -274,7 +286,8 @@ def inside(args) -> int:
                str(REPO / "benchmarks" / "e2e_producer.py"), "--checkpoint", str(ckpt),
                "--transport-config", json.dumps(config), "--state-dir", str(work / "state"),
                "--rates", ",".join(str(r) for r in rates for _ in range(args.repeats)), "--results", str(rows_path),
-               "--op", args.op, "--payload-elements", ",".join(map(str, sizes))]
+               "--op", args.op, "--payload-elements", ",".join(map(str, sizes)), "--changes", args.changes]
+        cmd += ["--conditioned"] if args.conditioned else []
         cmd += ["--no-state-digest"] if args.no_state_digest else []
         shutil.rmtree(work / "state", ignore_errors=True)
         rc = subprocess.call(cmd, cwd=REPO, env=env)
@@ -331,7 +344,8 @@ def inside(args) -> int:
                 f"{len(receivers)} at once); receivers' stage + apply {row['receiver_total_s']:.2f} s; "
                 f"bit-exact {r['bit_exact']}; verify {r['verify_s']:.1f} s")
         result = {"benchmark": "e2e_link", "smoke": args.smoke, "shaped": not args.no_shape, "mbit": args.mbit,
-                  "op": args.op, "payload_elements": sizes, "state_digest": not args.no_state_digest,
+                  "op": args.op, "payload_elements": sizes, "weights": args.weights, "changes": args.changes,
+                  "conditioned": args.conditioned, "state_digest": not args.no_state_digest,
                   "params": params, "dense_bytes": dense_bytes, "producers": args.producers,
                   "receivers": len(receivers), "link_gbps_measured": link_bps / 1e9, "memcpy_gbs_per_core": mem,
                   "memcpy_gbs_readings": mem_readings,
@@ -397,6 +411,12 @@ def main(argv=None) -> int:
     ap.add_argument("--payload-elements", default=str(1 << 21),
                     help="the producers' max_payload_elements (changes a payload holds at most); several, "
                          "comma-separated, take turns within each rate and are reported side by side")
+    ap.add_argument("--weights", default="random", choices=["random", "minilm"],
+                    help="random-init, or resampled from pretrained MiniLM per role (statistics-matched)")
+    ap.add_argument("--changes", default="ulp", choices=["ulp", "adamw"],
+                    help="±1 ULP at uniformly random elements, or AdamW-like steps (e2e_producer.perturb_adamw)")
+    ap.add_argument("--conditioned", action="store_true",
+                    help="the producers code records against the committed bits (wire/conditioned.py)")
     ap.add_argument("--mbit", type=int, default=1000)
     ap.add_argument("--link-probe-mb", type=int, default=200)
     ap.add_argument("--no-shape", action="store_true", help="run on the plain loopback (no namespace, no root)")

@@ -43,6 +43,49 @@ def perturb(model: torch.nn.Module, rate: float, seed: int) -> int:
     return changed
 
 
+def ulps(bits: torch.Tensor) -> torch.Tensor:
+    """The ULP of each BF16 element (from its exponent field; subnormals take the smallest)."""
+    exp = ((bits.to(torch.int32) >> 7) & 0xFF).clamp(min=1)
+    return torch.pow(2.0, (exp - 127 - 7).to(torch.float32))
+
+
+def adamw_lr(model: torch.nn.Module, rate: float, sample: int = 1 << 20, seed: int = 0) -> float:
+    """The step size at which `perturb_adamw` changes `rate` of the elements: the mean over a
+    sample of min(1, lr / ULP) is `rate` (bisection in log space)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [p.data.view(torch.int16).view(-1) for _, p in sorted(model.named_parameters())]
+    total = sum(p.numel() for p in params)
+    u = torch.cat([ulps(p[torch.randint(0, p.numel(), (max(1, sample * p.numel() // total),), generator=g)])
+                   for p in params])
+    lo, hi = 1e-12, 1.0
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if float(torch.clamp(mid / u, max=1.0).mean()) < rate else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def perturb_adamw(model: torch.nn.Module, lr: float, seed: int) -> int:
+    """One AdamW-like step seen through BF16 (same on every rank): Adam's early steps move
+    each FP32 master weight by about lr, up or down, and the master sits anywhere within
+    its BF16 value's rounding interval; so an element crosses floor(lr / ULP + U(0, 1))
+    rounding boundaries, in the step's direction. Small weights (small ULP) change more
+    often and by more ULPs than large ones, as on real pretrained weights."""
+    g = torch.Generator().manual_seed(seed)
+    changed = 0
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            bits = p.data.view(torch.int16).view(-1)
+            moves = torch.floor(lr / ulps(bits) + torch.rand(bits.shape, generator=g)).to(torch.int32)
+            sign = torch.randint(0, 2, bits.shape, generator=g, dtype=torch.int32) * 2 - 1
+            mag = (bits.to(torch.int32) & 0x7FFF)
+            moves = torch.where(sign < 0, torch.minimum(moves, mag), moves)  # no step through zero
+            new_mag = (mag + sign * moves).clamp(max=0x7F7F)  # and none past the largest finite value
+            idx = torch.nonzero(new_mag != mag).view(-1)
+            bits[idx] = ((bits[idx].to(torch.int32) & 0x8000) | new_mag[idx]).to(torch.int16)
+            changed += idx.numel()
+    return changed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True)
@@ -52,6 +95,9 @@ def main() -> None:
     ap.add_argument("--results", required=True)
     ap.add_argument("--op", default="auto", choices=["auto", "xor", "add"])
     ap.add_argument("--no-state-digest", action="store_true", help="keep no whole-state digest")
+    ap.add_argument("--changes", default="ulp", choices=["ulp", "adamw"],
+                    help="±1 ULP at random elements (perturb), or AdamW-like steps (perturb_adamw)")
+    ap.add_argument("--conditioned", action="store_true", help="TrainerRefit(conditioned=True)")
     ap.add_argument("--payload-elements", required=True,
                     help="max_payload_elements; several (comma-separated) take turns within each rate")
     args = ap.parse_args()
@@ -76,7 +122,7 @@ def main() -> None:
     refit = TrainerRefit(registry.converter("identity", model.config), read_specs(args.checkpoint),
                          torch_owned_ranges(model, rank, world), ParallelLayout(dp_size=world, dp_rank=rank),
                          transport, state_dir=args.state_dir, op=args.op, max_payload_elements=sizes[0],
-                         timeout_s=600, state_digest=not args.no_state_digest)
+                         timeout_s=600, state_digest=not args.no_state_digest, conditioned=args.conditioned)
     if rank == 0:
         print(f"[producer] {world} producers ready in {time.perf_counter() - t:.1f} s", flush=True)
     # A first, small refit warms up what happens once per process (compiling the kernels,
@@ -89,7 +135,10 @@ def main() -> None:
                              for i, r in enumerate(rates[1:])]
     for i, (rate, size) in enumerate(zip(rates, schedule)):
         refit.producer.max_payload_elements = size
-        changed = perturb(model, rate, seed=1000 + i)
+        if args.changes == "adamw":
+            changed = perturb_adamw(model, adamw_lr(model, rate), seed=1000 + i)
+        else:
+            changed = perturb(model, rate, seed=1000 + i)
         dist.barrier()
         result = refit.refit()
         t = time.perf_counter()
