@@ -53,7 +53,7 @@ def producer_side(args, rates: list[float]) -> dict:
     from nemo_dcr import digest
     from nemo_dcr.baseline import Baseline
     from nemo_dcr.sender import Producer
-    from nemo_dcr.transport import TransferInfo
+    from nemo_dcr.records import TransferInfo
 
     params, owned, maps, specs, _ = setup_model(qwen3_shapes(args.hidden, args.layers, args.vocab))
     end = KeepingEnd()

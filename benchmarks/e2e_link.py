@@ -157,7 +157,7 @@ def wait_for(marker: str, logs: list[Path], procs: list[subprocess.Popen], timeo
 def dense_reference(ckpt: Path, receivers: list[str], work: Path, env: dict) -> float:
     """Seconds to deliver the checkpoint's bytes to every stage-only receiver over the tree."""
     from nemo_dcr import registry
-    from nemo_dcr.transport import TransferInfo
+    from nemo_dcr.records import TransferInfo
 
     config = relay_config(receivers)
     procs, logs = [], []

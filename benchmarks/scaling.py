@@ -295,7 +295,7 @@ class Session:
 
     def dense(self) -> dict:
         """Every element's bits, raw, through the same transport; copied in place by the receivers."""
-        from nemo_dcr.transport import TransferInfo
+        from nemo_dcr.records import TransferInfo
 
         coord, prod = self.refit.coordinator.end, self.refit.end
         info = TransferInfo(f"dense-{uuid.uuid4().hex[:10]}", 0, 1, ("p0",))

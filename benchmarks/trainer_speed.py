@@ -86,10 +86,9 @@ from nemo_dcr.capture import even_split  # noqa: E402
 from nemo_dcr.layout import LocalParam, OwnedRange  # noqa: E402
 from nemo_dcr.malloc import keep_freed_memory  # noqa: E402
 from nemo_dcr.placement import AffineMap, Piece  # noqa: E402
-from nemo_dcr.records import Op  # noqa: E402
+from nemo_dcr.records import Op, TransferInfo  # noqa: E402
 from nemo_dcr.runtimes.store import TensorStoreRuntime  # noqa: E402
 from nemo_dcr.sender import AUTO, Producer  # noqa: E402
-from nemo_dcr.transport import TransferInfo  # noqa: E402
 from nemo_dcr.verify import bit_mismatches  # noqa: E402
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.outputs import results_path  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from nemo_dcr import registry  # noqa: E402
-from nemo_dcr.transport import TransferInfo  # noqa: E402
+from nemo_dcr.records import TransferInfo  # noqa: E402
 
 
 def free_port() -> int:

@@ -36,11 +36,14 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from nemo_dcr.diff import DiffCoordinates
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +56,12 @@ class _Pending:
     positions: list[torch.Tensor] = field(default_factory=list)
     new: list[torch.Tensor] = field(default_factory=list)
     on_device: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # for a device mirror
-    local_of: list[Callable | None] = field(default_factory=list)  # see Baseline.stage
+    coordinates: list[DiffCoordinates | None] = field(default_factory=list)  # see Baseline.stage
 
     def local_positions(self) -> torch.Tensor:
         """The staged positions, relative to the range, in one tensor."""
-        return torch.cat([pos if f is None else f(pos) for pos, f in zip(self.positions, self.local_of)])
+        return torch.cat([pos if c is None else c.range_positions(pos)
+                          for pos, c in zip(self.positions, self.coordinates)])
 
 
 class Baseline:
@@ -126,12 +130,12 @@ class Baseline:
 
     def stage(self, key: str, positions: torch.Tensor, new: torch.Tensor, *,
               on_device: tuple[torch.Tensor, torch.Tensor] | None = None,
-              local_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+              coordinates: DiffCoordinates | None = None) -> None:
         """Remember changed positions (relative to the range) and their new bits;
         `on_device`: the same two already on a GPU, for the range's device mirror.
-        `local_of`: `positions` are in other coordinates (the canonical ones the producer's
-        diff gave), and local_of(positions) gives the range's; it runs at the commit, in
-        its background update, off the refit's critical path."""
+        `coordinates`: `positions` are in the canonical coordinates the producer's diff
+        wrote (`diff.DiffCoordinates`), mapped back to the range's at the commit, in its
+        background update, off the refit's critical path."""
         if self._pending is None:
             raise RuntimeError("stage() outside a transfer: call begin() first")
         p = self._pending.setdefault(key, _Pending())
@@ -140,7 +144,7 @@ class Baseline:
             p.on_device.append(on_device)  # commit updates the mirror without a host round trip
         p.positions.append(positions.cpu())
         p.new.append(new.cpu())
-        p.local_of.append(local_of)
+        p.coordinates.append(coordinates)
 
     def commit(self) -> int:
         """Make the pending transfer's bits the committed baseline (joint commit).

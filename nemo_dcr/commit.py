@@ -2,29 +2,24 @@
 
 A transfer v -> v+1 commits only when every producer has flushed with no payload
 rejected and every receiver has applied the whole transfer. The commit point is a
-record for v+1 created with compare-and-set semantics (by default a file
-`commits/v<target>.json` created with O_EXCL in the coordinator's state directory),
-so two coordinators can never both commit the same version. After it exists,
-receivers serve v+1 and producers take v+1 as their baseline; before it, both stay
-at v. Transports whose peers share no file system keep the records elsewhere
-(`Transport.commit_log`), e.g. as conditional writes in object storage.
+record for v+1 written to the commit log with compare-and-set semantics
+(`nemo_dcr.commit_log`), so two coordinators can never both commit the same version.
+After it exists, receivers serve v+1 and producers take v+1 as their baseline; before
+it, both stay at v.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
 import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from nemo_dcr.commit_log import AlreadyCommitted, CommitLog, payload_set_digest
 from nemo_dcr.control_auth import check, sign
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import CoordinatorEnd, TransferInfo
+from nemo_dcr.records import TransferInfo
+from nemo_dcr.transport import CoordinatorEnd
 
 
 @dataclass
@@ -37,59 +32,6 @@ class Decision:
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
-
-
-class AlreadyCommitted(Exception):
-    """Another coordinator committed this version first."""
-
-
-class CommitLog(ABC):
-    """Where commit records live; the newest one is the committed version."""
-
-    @abstractmethod
-    def latest(self) -> int:
-        """The highest committed version (0 when nothing was committed)."""
-
-    @abstractmethod
-    def write(self, info: TransferInfo, extra: dict) -> None:
-        """Atomically create the record for info.target_version (compare-and-set);
-        raise AlreadyCommitted if it exists."""
-
-    @staticmethod
-    def record(info: TransferInfo, extra: dict) -> bytes:
-        return json.dumps({**info.to_json(), **extra, "committed_at": time.time()}, sort_keys=True).encode()
-
-
-class DirectoryCommitLog(CommitLog):
-    """Commit records as files `commits/v<N>.json` in a (shared) directory."""
-
-    _NAME = re.compile(r"^v(\d{8,})\.json$")
-
-    def __init__(self, directory: str | os.PathLike):
-        self.dir = os.path.join(os.fspath(directory), "commits")
-        os.makedirs(self.dir, exist_ok=True)
-
-    def latest(self) -> int:
-        versions = [int(m.group(1)) for f in os.listdir(self.dir) if (m := self._NAME.match(f))]
-        return max(versions, default=0)
-
-    def write(self, info: TransferInfo, extra: dict) -> None:
-        path = os.path.join(self.dir, f"v{info.target_version:08d}.json")
-        body = self.record(info, extra)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise AlreadyCommitted(path) from None
-        try:
-            os.write(fd, body)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def commit_log_for(transport, state_dir: str) -> CommitLog:
-    """The transport's own commit log, else files in `state_dir`."""
-    return transport.commit_log(state_dir) or DirectoryCommitLog(state_dir)
 
 
 class Coordinator:
@@ -310,8 +252,3 @@ def state_mismatch(info: TransferInfo, target: str, payload_digests: dict[str, s
     wrong = sorted(p for p, d in payload_digests.items() if p in moved and moved[p] != d)
     return (f"holds state digest {got} after applying, the producers' {version} is {target}"
             + (f"; payloads that moved it differently: {wrong[:3]}" if wrong else ""), wrong)
-
-
-def payload_set_digest(payload_ids) -> str:
-    """Order-free digest of a set of payload ids (what a receiver applied)."""
-    return hashlib.blake2b("\n".join(sorted(set(payload_ids))).encode(), digest_size=16).hexdigest()

@@ -144,6 +144,24 @@ class Rows:
         return np.where(d < self.end, d, self.end + after // period * self.length + after % period)
 
 
+@dataclass(frozen=True)
+class DiffCoordinates:
+    """The coordinates a 16-bit diff of one chunk wrote its positions in, when they are
+    not the range's own: the chunk starts at element `lo` of its range, and the diff was
+    given `base` and `rows` (`diff_arrays`), so that it wrote canonical positions. The
+    baseline keeps the range's (`range_positions`, at its commit)."""
+
+    lo: int
+    base: int
+    rows: Rows | None
+
+    def range_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The range-relative positions of the diff's `positions` (int64)."""
+        pos = positions.numpy()
+        index = pos.astype(np.int64) - self.base if self.rows is None else self.rows.index(pos, self.base)
+        return torch.from_numpy(index + self.lo)
+
+
 class DiffOutput:
     """Where successive `diff_arrays` calls over the chunks of one range write, end to end:
     each call's arrays are views that directly follow the previous call's in the same

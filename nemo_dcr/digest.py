@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -235,6 +236,35 @@ class StateDigest:
 
     def __repr__(self) -> str:
         return f"StateDigest({self.hex()}, {len(self.tensors)} tensors)"
+
+
+class StateDigestMove:
+    """How one refit's changes move a share's state digest: in all (`moved`) and per
+    payload (`take_payload`, at each cut); nothing is computed when the share keeps no
+    digest (`tracking` False). `seconds`: the time the sums took."""
+
+    def __init__(self, tracking: bool):
+        self.tracking = tracking
+        self.moved = StateDigest()
+        self.seconds = 0.0
+        self._payload = [0, 0]  # the move of the payload being built
+
+    def account(self, name: str, op: Op, positions, new, values) -> None:
+        """The move by changes placed at canonical `positions` (see `change_delta`)."""
+        if not self.tracking:
+            return
+        t = time.perf_counter()
+        sums = change_delta(name, op, positions, new, values)
+        self.moved.add(name, sums)
+        self._payload[0] += sums[0]
+        self._payload[1] += sums[1]
+        self.seconds += time.perf_counter() - t
+
+    def take_payload(self) -> str | None:
+        """The move of the payload cut now (hex; None when not tracking); the next starts at zero."""
+        moved = to_hex(self._payload) if self.tracking else None
+        self._payload = [0, 0]
+        return moved
 
 
 def to_hex(sums: tuple[int, int]) -> str:

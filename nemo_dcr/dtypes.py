@@ -72,3 +72,14 @@ def from_torch(dtype: torch.dtype) -> DType:
 def bits_of(tensor: torch.Tensor) -> torch.Tensor:
     """Same-storage integer view of a tensor's stored bits."""
     return tensor.view(from_torch(tensor.dtype).bits_torch)
+
+
+def unsigned_view(a: np.ndarray) -> np.ndarray:
+    """The same memory as the unsigned integer of its width (the bits, never the values)."""
+    return a.view(unsigned(a.itemsize))
+
+
+def host_bits(t: torch.Tensor) -> np.ndarray:
+    """A tensor's stored bits on the host (copied there from a device), as the unsigned
+    numpy integer of its width."""
+    return unsigned_view(t.cpu().numpy())

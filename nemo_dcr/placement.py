@@ -18,7 +18,6 @@ and each output is placed by its own `AffineMap` (output flat index -> canonical
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 from nemo_dcr import kernels
-from nemo_dcr.diff import Rows
+from nemo_dcr.diff import DiffOutput, Rows
 
 _INT32 = np.iinfo(np.int32)
 
@@ -59,8 +58,8 @@ class Piece:
         """One past the largest canonical flat index of the piece."""
         return self.offset + (self.rows - 1) * self.row_stride + self.cols if self.rows else self.offset
 
-    def canonical_index(self, local: np.ndarray, shift: int = 0,
-                        alloc: Callable[[int, np.dtype], np.ndarray] | None = None) -> np.ndarray:
+    def canonical_index(self, local: np.ndarray, shift: int = 0, slots: PositionSlots | None = None,
+                        slot: int = 0) -> np.ndarray:
         """Canonical flat indices of local flat indices `local + shift` inside this piece:
         int64, or int32 when `local` is (the producer's diff gives int32 positions) and
         the piece's canonical indices stay below 2**31 (the narrower arrays cost less to
@@ -69,9 +68,9 @@ class Piece:
         A piece whose block rows lie end to end in canonical order (one row, or a row
         stride equal to its width) maps by a constant shift; when that shift is 0 (the
         piece sits where the local tensor does) the result is `local` itself, not a copy:
-        callers do not write to it. `alloc(n, dtype)`: an array the compiled row mapping
-        writes into, instead of a new one (the producer's, so that successive chunks'
-        indices lie end to end).
+        callers do not write to it. `slots`: where the compiled row mapping writes, in the
+        buffer of `slot`, instead of a new array (the producer's, so that successive
+        chunks' indices lie end to end: `PositionSlots`).
 
         `local` may also be a torch tensor, on any device: the indices are then computed
         there, as int64 (the producer's device coding, format v6)."""
@@ -86,7 +85,7 @@ class Piece:
             d = self.offset - start
             return local if d == 0 and local.dtype == out_dtype else np.add(local, d, dtype=out_dtype)
         if kernels.common.HAVE_NUMBA and local.dtype in (np.int64, np.int32) and local.ndim == 1:
-            out = np.empty(local.size, out_dtype) if alloc is None else alloc(local.size, out_dtype)
+            out = np.empty(local.size, out_dtype) if slots is None else slots.take(slot, local.size, out_dtype)
             kernels.place.affine_index(np.ascontiguousarray(local), start, self.cols, self.offset,  # one compiled pass
                                        self.row_stride, out)
             return out
@@ -169,15 +168,14 @@ class AffineMap:
                 return None if found is None else (p.canonical, *found)
         return None
 
-    def place_spans(self, local: np.ndarray, shift: int = 0,
-                    alloc: Callable[[int, int, np.dtype], np.ndarray] | None = None
+    def place_spans(self, local: np.ndarray, shift: int = 0, slots: PositionSlots | None = None
                     ) -> list[tuple[str, np.ndarray, int, int, bool]]:
         """`place` for local positions `local + shift` (sorted), without materialising the
         source indices: (canonical name, canonical positions, lo, hi, monotone) per
         touched piece, where local[lo:hi] are the positions it places and `monotone`
         says the canonical positions are strictly increasing (Piece.monotone). `local`
         may be int64 or int32 (see Piece.canonical_index for the canonical positions').
-        `alloc(i, n, dtype)`: where piece i's computed positions go (Piece.canonical_index).
+        `slots`: where computed canonical positions go, piece i's in slot i (PositionSlots).
         `local` may also be an int64 torch tensor, on any device (the canonical positions
         are then tensors there)."""
         out = []
@@ -194,8 +192,7 @@ class AffineMap:
         for i, p in enumerate(self.pieces):
             lo, hi = int(found[i]), int(found[len(self.pieces) + i])
             if hi > lo:
-                into = None if alloc is None else functools.partial(alloc, i)
-                out.append((p.canonical, p.canonical_index(local[lo:hi], shift, into), lo, hi, p.monotone))
+                out.append((p.canonical, p.canonical_index(local[lo:hi], shift, slots, i), lo, hi, p.monotone))
         return out
 
 
@@ -271,6 +268,38 @@ def places_anything(m: AffineMap | ResidualMap, start: int, stop: int) -> bool:
     if isinstance(m, ResidualMap):
         return m.produced_by(start, stop)
     return any(p.local_start < stop and p.local_stop > start for p in m.pieces)
+
+
+class PositionSlots:
+    """Where a scan of one local range puts the canonical positions its pieces compute
+    chunk after chunk (`Piece.canonical_index`): arrays handed out end to end in one growing
+    buffer per slot (a piece), so that the payload builder takes consecutive chunks'
+    positions as one view (`arena.end_to_end`), as it does the diff's own arrays
+    (`diff.DiffOutput`, whose capacity sizes a new buffer: about the rest of the range's
+    changes). A request that does not fit starts a new buffer; views handed out stay valid."""
+
+    def __init__(self, sink: DiffOutput):
+        self.sink = sink
+        self.bufs: dict[int, tuple[np.ndarray, int]] = {}
+
+    def take(self, slot: int, n: int, dtype) -> np.ndarray:
+        buf, used = self.bufs.get(slot, (None, 0))
+        if buf is None or buf.dtype != dtype or used + n > buf.size:
+            room = self.sink.bufs[0].size if self.sink.bufs is not None else 0
+            buf, used = np.empty(max(n, room), dtype), 0
+        self.bufs[slot] = (buf, used + n)
+        return buf[used:used + n]
+
+
+def place_by_tensor(amap: AffineMap, local: np.ndarray) -> list[tuple[str, np.ndarray, slice | np.ndarray]]:
+    """(canonical name, positions uint64, source index or slice) per touched canonical
+    tensor. When every touched piece has its own tensor (the usual case) the sources are
+    contiguous ranges of `local`, taken as slices (views), not gathered."""
+    placed = amap.place(local)
+    if len({name for name, _, _ in placed}) == len(placed):
+        return [(name, cpos.view(np.uint64) if cpos.dtype == np.int64 else cpos.astype(np.uint64),
+                 slice(int(src[0]), int(src[-1]) + 1)) for name, cpos, src in placed]
+    return [(name, cpos, src) for name, (cpos, src) in merge_placed(placed).items()]
 
 
 def merge_placed(placed: list[tuple[str, np.ndarray, np.ndarray]]):

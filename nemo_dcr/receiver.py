@@ -27,16 +27,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nemo_dcr.catchup import catch_up
-from nemo_dcr.commit import payload_set_digest
+from nemo_dcr.commit_log import payload_set_digest
 from nemo_dcr.control_auth import ReplayGuard, answering, check, sign
 from nemo_dcr.digest import StateDigest
 from nemo_dcr.errors import ApplyError, DCRError, KeyMismatch, PayloadRejected, TransportError
 from nemo_dcr.history import open_history
 from nemo_dcr.metrics import page_faults
 from nemo_dcr.mirror import CanonicalMirror
-from nemo_dcr.records import Op, Payload
+from nemo_dcr.records import Op, Payload, TransferInfo
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
-from nemo_dcr.transport import ReceiverEnd, TransferInfo
+from nemo_dcr.transport import ReceiverEnd
 from nemo_dcr.verify import read_back, state_digests
 from nemo_dcr.wire import codec
 

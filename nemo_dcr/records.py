@@ -1,9 +1,10 @@
-"""What travels: records (one canonical tensor's changes) grouped into payloads."""
+"""What travels: records (one canonical tensor's changes) grouped into payloads, and the
+transfer they belong to (`TransferInfo`, which every end and the commit log name)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -84,3 +85,45 @@ class Payload:
     @property
     def changed_elements(self) -> int:
         return sum(len(r) for r in self.records)
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """One attempt of a transfer base_version -> target_version (or a resync): what every
+    payload header, control message and commit record names."""
+
+    transfer_id: str
+    base_version: int
+    target_version: int
+    producers: tuple[str, ...]
+    # In-place retries: attempt n > 0 re-sends, as overwrites, what attempt 0 (whose id is
+    # `lineage`) may have left half-applied; receivers keep their apply journal across them.
+    attempt: int = 0
+    lineage: str = ""  # "" on the first attempt: its own transfer id
+    readback: bool = False  # receivers read applied regions back; their digests are checked before the commit
+    # The producers' whole-state digest of base_version (`nemo_dcr.digest`, 32 hex digits):
+    # a receiver whose own digest differs refuses the transfer before writing anything.
+    base_digest: str = ""
+    # A dense resync (base_version == target_version): the producers send every element they
+    # own as overwrites; receivers whose state matches base_digest take none of it.
+    resync: bool = False
+
+    @property
+    def lineage_id(self) -> str:
+        return self.lineage or self.transfer_id
+
+    def retry(self) -> "TransferInfo":
+        """The next attempt of the same v -> v+1 transfer (a fresh id, so no payload of an
+        earlier attempt is ever taken for one of this one)."""
+        n = self.attempt + 1
+        return TransferInfo(f"{self.lineage_id}-r{n}", self.base_version, self.target_version, self.producers,
+                            n, self.lineage_id, self.readback, self.base_digest, self.resync)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TransferInfo":
+        return cls(str(d["transfer_id"]), int(d["base_version"]), int(d["target_version"]),
+                   tuple(str(p) for p in d["producers"]), int(d.get("attempt", 0)), str(d.get("lineage", "")),
+                   bool(d.get("readback", False)), str(d.get("base_digest", "")), bool(d.get("resync", False)))

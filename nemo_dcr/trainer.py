@@ -18,15 +18,16 @@ import torch
 import torch.distributed as dist
 
 from nemo_dcr.baseline import Baseline, fingerprint
-from nemo_dcr.commit import Coordinator, Decision, commit_log_for
+from nemo_dcr.commit import Coordinator, Decision
+from nemo_dcr.commit_log import commit_log_for
 from nemo_dcr.converter import Converter, check_exact_cover, coverage_runs
 from nemo_dcr.digest import StateDigest, add_hex
 from nemo_dcr.errors import ConverterError, TransferFailed
 from nemo_dcr.history import ANCHORS, DELTAS, open_history
 from nemo_dcr.layout import OwnedRange, ParallelLayout
-from nemo_dcr.records import AUTO, Op
+from nemo_dcr.records import AUTO, Op, TransferInfo
 from nemo_dcr.sender import Producer, ProducerReport
-from nemo_dcr.transport import TransferInfo, Transport
+from nemo_dcr.transport import Transport
 from nemo_dcr.wire.versions import FORMAT_VERSION
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_dcr.commit import AlreadyCommitted, DirectoryCommitLog
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.commit_log import AlreadyCommitted, DirectoryCommitLog
+from nemo_dcr.records import TransferInfo
 
 
 def test_a_version_is_committed_once(tmp_path):

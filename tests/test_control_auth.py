@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from nemo_dcr.commit import Coordinator, DirectoryCommitLog
+from nemo_dcr.commit import Coordinator
+from nemo_dcr.commit_log import DirectoryCommitLog
 from nemo_dcr.control_auth import check, sign
 from nemo_dcr.errors import TransferFailed
 from tests.support.wait import serving

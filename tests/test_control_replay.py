@@ -255,7 +255,8 @@ def test_replay_guard_rules():
 def test_replay_of_a_catalog_does_not_rebuild_a_mirror(tmp_path, caplog, monkeypatch):
     """NeMo RL's vLLM side builds its canonical mirror from the trainer's catalog: a replayed
     catalog of an earlier trainer (another model) must not rebuild it."""
-    from nemo_dcr.commit import Coordinator, DirectoryCommitLog
+    from nemo_dcr.commit import Coordinator
+    from nemo_dcr.commit_log import DirectoryCommitLog
     from nemo_dcr.integrations.nemo_rl.config import DCRRefitConfig
     from nemo_dcr.integrations.nemo_rl.mirror import MirrorReceiver
 

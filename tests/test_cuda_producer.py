@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr import sender
+from nemo_dcr import scan
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
-from nemo_dcr.records import Op
+from nemo_dcr.records import Op, TransferInfo
 from nemo_dcr.sender import AUTO, Producer
-from nemo_dcr.transport import TransferInfo
 from nemo_dcr.wire import codec
 from tests.support.transports import KeepingEnd
 
@@ -26,7 +25,7 @@ N = 300_007  # not a multiple of the chunk: the last chunk is short
 
 @pytest.fixture(autouse=True)
 def small_device_chunks(monkeypatch):
-    monkeypatch.setattr(sender, "_DEVICE_CHUNK", 1)  # chunk_elements rules: three chunks per tensor
+    monkeypatch.setattr(scan, "_DEVICE_CHUNK", 1)  # chunk_elements rules: three chunks per tensor
 
 
 def host_bits(t: torch.Tensor) -> np.ndarray:

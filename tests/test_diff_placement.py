@@ -17,9 +17,8 @@ from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import Rows, diff_arrays
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
-from nemo_dcr.records import Op
+from nemo_dcr.records import Op, TransferInfo
 from nemo_dcr.sender import AUTO, Producer
-from nemo_dcr.transport import TransferInfo
 from tests.support.transports import KeepingEnd
 
 BLOCK = kernels.diff.DIFF_BLOCK

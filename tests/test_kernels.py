@@ -444,22 +444,22 @@ def test_piece_in_place_maps_without_a_copy():
 
 @needs_numba
 def test_strided_pieces_place_chunk_after_chunk_end_to_end():
-    """The producer's slots (sender._Slots): a strided piece's canonical positions of
+    """The producer's slots (placement.PositionSlots): a strided piece's canonical positions of
     successive chunks go end to end into one buffer per piece, the same positions as
     without; a chunk that does not fit, or of another dtype, starts a new buffer and
     leaves the views handed out as they were. Contiguous pieces compute nothing there."""
     from nemo_dcr.diff import DiffOutput
-    from nemo_dcr.sender import _Slots
+    from nemo_dcr.placement import PositionSlots
 
     amap = AffineMap("w", 2 * 64 * 50, (Piece("a", 0, 64, 50, 0, 100), Piece("b", 64 * 50, 64, 50, 50, 100)))
     sink = DiffOutput(0)
     sink.bufs = [np.empty(40, np.int32)]  # the diff's room: 40 slots a new buffer
-    slots = _Slots(sink)
+    slots = PositionSlots(sink)
     rng = np.random.default_rng(3)
     local = np.sort(rng.choice(amap.numel, 120, replace=False)).astype(np.int32)
     got, want = {}, {}
     for chunk in np.array_split(local, 6):
-        for (name, cpos, *_), (_, ref, *_) in zip(amap.place_spans(chunk, 0, slots.take), amap.place_spans(chunk)):
+        for (name, cpos, *_), (_, ref, *_) in zip(amap.place_spans(chunk, 0, slots), amap.place_spans(chunk)):
             np.testing.assert_array_equal(cpos, ref)
             got.setdefault(name, []).append(cpos)
             want.setdefault(name, []).append(ref.copy())
@@ -473,7 +473,7 @@ def test_strided_pieces_place_chunk_after_chunk_end_to_end():
     flat = AffineMap("f", 100, (Piece("f", 0, 1, 100, 0, 100),))
     ones = np.arange(5, dtype=np.int32)
     used = {k: n for k, (_, n) in slots.bufs.items()}
-    assert np.shares_memory(flat.place_spans(ones, 0, slots.take)[0][1], ones)
+    assert np.shares_memory(flat.place_spans(ones, 0, slots)[0][1], ones)
     assert {k: n for k, (_, n) in slots.bufs.items()} == used  # no slots taken
 
 

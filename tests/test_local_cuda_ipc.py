@@ -14,7 +14,7 @@ import torch
 
 from nemo_dcr import registry
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 from tests.support.launch import REPO, worker_env
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -202,7 +202,8 @@ def test_subset_receiver_skips_tensors_it_does_not_hold(checkpoint, tmp_path):
     from nemo_dcr.receiver import Receiver
     from nemo_dcr.records import Payload, PayloadHeader
     from nemo_dcr.runtimes.store import TensorStoreRuntime
-    from nemo_dcr.transport import Event, TransferInfo
+    from nemo_dcr.records import TransferInfo
+    from nemo_dcr.transport import Event
     from nemo_dcr.wire import codec
 
     specs = read_specs(checkpoint)

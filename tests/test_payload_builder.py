@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from nemo_dcr.records import Op
 from nemo_dcr.arena import Arena
-from nemo_dcr.sender import _PayloadBuilder
+from nemo_dcr.payload_builder import PayloadBuilder
+from nemo_dcr.records import Op
 
 SPECS = {"a": ("BF16", (1000,)), "b": ("F32", (1000,))}
 
@@ -29,7 +29,7 @@ def _queue(builder, rng, n_parts=3):
 def test_records_are_the_parts_concatenated_and_the_arena_is_reused():
     rng = np.random.default_rng(0)
     arena = Arena()
-    builder = _PayloadBuilder(arena=arena)
+    builder = PayloadBuilder(arena=arena)
     buffers = []
     for n_parts in (3, 3, 3, 3, 1):
         expected = _queue(builder, rng, n_parts)
@@ -86,7 +86,7 @@ def test_parts_not_known_increasing_are_checked_and_sorted():
     """Parts placed through pieces that are not monotone: the record is checked for order
     and sorted (with its values) only when it needs to be, for uint32 and uint64 positions."""
     for dtype in (np.uint32, np.uint64):
-        builder = _PayloadBuilder()
+        builder = PayloadBuilder()
         builder.add("a", Op.XOR, np.array([5, 9], dtype), np.array([1, 2], np.uint16))
         builder.add("a", Op.XOR, np.array([2, 7], dtype), np.array([3, 4], np.uint16))
         builder.add("b", Op.XOR, np.array([1, 4], dtype), np.array([5, 6], np.uint16))

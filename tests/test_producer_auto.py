@@ -5,14 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_dcr import sender
+from nemo_dcr import payload_builder, scan
 from nemo_dcr.arena import Arena
 from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
-from nemo_dcr.records import Op
+from nemo_dcr.records import Op, TransferInfo
 from nemo_dcr.sender import AUTO, Producer
-from nemo_dcr.transport import TransferInfo
 from nemo_dcr.wire import codec
 from nemo_dcr.wire.values import choose_op
 from tests.support.transports import KeepingEnd
@@ -66,12 +65,12 @@ def _one_bit(bits, rng):
 def test_auto_picks_add_for_ulp_steps_and_xor_for_bit_flips_on_a_sample(monkeypatch, compiled_diff):
     # The diff keeps the add values and the new bits; xor records are computed from them.
     if not compiled_diff:  # the torch ops a GPU producer runs, here on the host
-        monkeypatch.setattr(sender, "_compiled_diff", lambda current, committed: False)
-    n = 3 * sender._CHOICE_SAMPLE * 20  # each record holds ~3x the sample: the choice is sampled
+        monkeypatch.setattr(scan, "_compiled_diff", lambda current, committed: False)
+    n = 3 * payload_builder.CHOICE_SAMPLE * 20  # each record holds ~3x the sample: the choice is sampled
     for change, want in ((_one_ulp, Op.ADD), (_one_bit, Op.XOR)):
         old, new, records = _refit(n, change)
         assert records and {Op(r.op) for r in records} == {want}
-        assert max(r.positions.size for r in records) > 2 * sender._CHOICE_SAMPLE
+        assert max(r.positions.size for r in records) > 2 * payload_builder.CHOICE_SAMPLE
         for got, exp in zip(_apply(old, records), new):
             np.testing.assert_array_equal(got, exp)
 
@@ -85,7 +84,7 @@ def test_sampled_choice_matches_the_exact_one_on_small_records():
         add = new - old
         pairs = [(add[:400], new[:400]), (add[400:], new[400:])]  # (add, new bits), as the producer keeps them
         assert choose_op(new ^ old, add, 2) is want
-        assert sender._choose_op_sampled(pairs) is want
+        assert payload_builder.choose_op_sampled(pairs) is want
 
 
 def test_xor_of_add_and_new_bits():
@@ -95,4 +94,4 @@ def test_xor_of_add_and_new_bits():
     add = new - old
     pairs = [(add[:1000], new[:1000]), (add[1000:1001], new[1000:1001]), (add[1001:], new[1001:])]
     arena = Arena().reset(1 << 10)  # smaller than needed: the arena grows
-    np.testing.assert_array_equal(sender._xor_of(pairs, arena), new ^ old)
+    np.testing.assert_array_equal(payload_builder.xor_of(pairs, arena), new ^ old)

@@ -15,7 +15,7 @@ from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.sender import AUTO, Producer
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 from nemo_dcr.wire import codec
 from tests.support.transports import KeepingEnd
 
@@ -127,7 +127,7 @@ def test_an_encoding_error_fails_the_refit_after_the_payloads_before_it_and_leav
     monkeypatch.setattr(codec, "encode", real)
     rep = prod.refit(TransferInfo("t2", 0, 1, ("p0",)))  # the producer is usable again
     assert rep.payload_ids == end.ids[3:] and len(rep.payload_ids) > 6
-    assert len(prod._spare_arenas) <= 2 + 1  # arenas come back to the pool, not one per payload
+    assert len(prod.encode_queue.spare_arenas) <= 2 + 1  # arenas come back to the pool, not one per payload
 
 
 def test_encoding_threads_are_kept_between_refits_and_end_with_the_producer():

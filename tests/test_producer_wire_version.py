@@ -13,7 +13,7 @@ from nemo_dcr.baseline import Baseline
 from nemo_dcr.layout import LocalParam, OwnedRange
 from nemo_dcr.placement import AffineMap, Piece
 from nemo_dcr.sender import Producer
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 from nemo_dcr.wire import codec
 from tests.support.transports import KeepingEnd
 

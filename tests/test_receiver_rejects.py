@@ -11,9 +11,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from nemo_dcr import registry
 from nemo_dcr.receiver import Receiver
-from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+from nemo_dcr.records import Op, Payload, PayloadHeader, Record, TransferInfo
 from nemo_dcr.runtimes.hf import HFRuntime
-from nemo_dcr.transport import Event, TransferInfo
+from nemo_dcr.transport import Event
 from nemo_dcr.verify import bit_mismatches
 from nemo_dcr.wire import codec
 

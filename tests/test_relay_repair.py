@@ -18,7 +18,7 @@ import time
 import pytest
 
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 from nemo_dcr.transports.relay import RelayTransport
 from tests.support.relay_cluster import RelayCluster
 

@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from nemo_dcr.cli import main as cli
-from nemo_dcr.transport import TransferInfo, dumps
+from nemo_dcr.records import TransferInfo
+from nemo_dcr.transport import dumps
 from nemo_dcr.transports.relay import RelayTransport, curve_keys
 from nemo_dcr.transports.relay_node import is_loopback
 from tests.support.launch import free_port

@@ -17,7 +17,7 @@ import pytest
 
 from nemo_dcr import registry
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 from nemo_dcr.transports.relay import RelayTransport, nodes_from_mpi
 from tests.support.launch import free_port, worker_env
 from tests.support.relay_cluster import WORKER, RelayCluster

@@ -17,10 +17,9 @@ import time
 import pytest
 
 from nemo_dcr import registry
-from nemo_dcr.commit import AlreadyCommitted
+from nemo_dcr.commit_log import AlreadyCommitted
 from nemo_dcr.errors import TransferFailed, TransportError
-from nemo_dcr.records import Op
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import Op, TransferInfo
 from nemo_dcr.verify import bit_mismatches
 from tests.support.s3_fault_proxy import Fault, FaultProxy
 from tests.support.s3_server import moto_server, payload_objects

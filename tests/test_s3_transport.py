@@ -15,9 +15,9 @@ import time
 import pytest
 
 from nemo_dcr import registry
-from nemo_dcr.commit import AlreadyCommitted
+from nemo_dcr.commit_log import AlreadyCommitted
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 from tests.support.s3_server import free_port, moto_server, payload_objects, seaweedfs_server, weed_available
 from tests.support.transports import drain, run_receivers
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.transports import TRANSPORTS, leftovers, open_transport, run_receivers
 from nemo_dcr.errors import TransportError
-from nemo_dcr.transport import TransferInfo
+from nemo_dcr.records import TransferInfo
 
 INFO = TransferInfo("t1", 0, 1, ("p0",))
 

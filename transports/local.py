@@ -28,12 +28,12 @@ import time
 import zmq
 
 from nemo_dcr.errors import TransportError
+from nemo_dcr.records import TransferInfo
 from nemo_dcr.transport import (
     CoordinatorEnd,
     Event,
     ProducerEnd,
     ReceiverEnd,
-    TransferInfo,
     Transport,
     dumps,
     loads,

@@ -88,14 +88,14 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from nemo_dcr.commit import AlreadyCommitted, CommitLog
+from nemo_dcr.commit_log import AlreadyCommitted, CommitLog
 from nemo_dcr.errors import TransportError
+from nemo_dcr.records import TransferInfo
 from nemo_dcr.transport import (
     CoordinatorEnd,
     Event,
     ProducerEnd,
     ReceiverEnd,
-    TransferInfo,
     Transport,
     dumps,
 )

@@ -8,7 +8,8 @@ import numpy as np
 
 from .common import _jit, _jit_inline
 from .intrinsics import _be64
-from .rans import _encode_finish, _encode_step, _exclusive_sums, PROB_BITS, PROB_SCALE, RANS_L, _rans_tables
+from .rans import (_encode_finish, _encode_step, _exclusive_sums, _four_start_states, PROB_BITS, PROB_SCALE, RANS_L,
+                   _rans_tables)
 
 
 # One symbol per change for a record's (gap quotient, value symbol) pair: j = q * a2 + v, in
@@ -132,10 +133,7 @@ def rans_encode_joint(sym1, sym2, lut2, a2, freq, cum, out):
     them. freq / cum: the joint model (every coded symbol's frequency in [1, 2**16))."""
     t = _rans_tables(freq, cum)
     row = np.arange(freq.size // a2).astype(np.uint64) * np.uint64(a2)  # row[q]: quotient q's first cell
-    x0 = np.uint64(RANS_L)
-    x1 = np.uint64(RANS_L)
-    x2 = np.uint64(RANS_L)
-    x3 = np.uint64(RANS_L)
+    x0, x1, x2, x3 = _four_start_states()
     p = np.uint64(out.size)
     n = np.uint64(sym1.size)
     i = n - n % np.uint64(4)

@@ -113,6 +113,14 @@ def _encode_step(x, s, t, out, p):
     return x + _mulhi(x, t[at + np.uint64(1)]) * t[at + np.uint64(2)] + t[at + np.uint64(3)], p
 
 
+@_jit_inline
+def _four_start_states():
+    """Four encoder states at their start (RANS_L): the set-up of the four-way interleaved
+    encoders (`rans_encode2`, `joint.rans_encode_joint`); inlined, so they stay registers."""
+    x = np.uint64(RANS_L)
+    return x, x, x, x
+
+
 @_jit
 def _encode_finish(x0, x1, out, p):
     """Store the final states below out[p] (x0 low, x0 high, x1 low, x1 high, in stream
@@ -161,10 +169,7 @@ def rans_encode2(sym1, freq1, cum1, out1, sym2, lut2, freq2, cum2, out2):
     four dependency chains overlap."""
     t1 = _rans_tables(freq1, cum1)
     t2 = _rans_tables(freq2, cum2)
-    x0 = np.uint64(RANS_L)
-    x1 = np.uint64(RANS_L)
-    y0 = np.uint64(RANS_L)
-    y1 = np.uint64(RANS_L)
+    x0, x1, y0, y1 = _four_start_states()
     p = np.uint64(out1.size)
     r = np.uint64(out2.size)
     i = np.uint64(sym1.size)

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 from nemo_dcr import dtypes
 from nemo_dcr.errors import ApplyError
-from nemo_dcr.records import Record
+from nemo_dcr.records import Record, TransferInfo
 from nemo_dcr.runtimes.base import Catalog, RuntimeAdapter, UndoLog
-from nemo_dcr.transport import ProducerEnd, TransferInfo
+from nemo_dcr.transport import ProducerEnd
 
 
 class ReceiverCrash(BaseException):
