@@ -62,7 +62,7 @@ from nemo_dcr.layout import LocalParam, OwnedRange  # noqa: E402
 from nemo_dcr.placement import AffineMap, Piece  # noqa: E402
 from nemo_dcr.records import BaseSpan, Op  # noqa: E402
 from nemo_dcr.sender import AUTO, Producer  # noqa: E402
-from nemo_dcr.transport import TransferInfo  # noqa: E402
+from nemo_dcr.records import TransferInfo  # noqa: E402
 from nemo_dcr.wire import codec, conditioned  # noqa: E402
 from nemo_dcr.wire.conditioned_device import decode_conditioned_device, decode_positions_device  # noqa: E402
 

@@ -133,6 +133,15 @@ def _digests(bits, shapes):
     return state_digests(_state(bits, shapes))
 
 
+
+def assert_serves_like_a_fresh_load(rx, fresh, canonical_digests, export) -> None:
+    """The worker's canonical bits are `canonical_digests`, its loader-format weights those
+    of a fresh vLLM load of the `export` checkpoint, and it generates the same tokens."""
+    assert compare_digests(canonical_digests, rx.rpc("dcr_digests")) == []
+    want = fresh.rpc("dcr_loader_digests", str(export))
+    assert compare_digests(want, rx.rpc("dcr_loader_digests")) == []
+    assert [rx.generate(p) for p in PROMPTS] == [fresh.generate(p) for p in PROMPTS]
+
 def test_three_refits_are_bit_exact_with_a_fresh_vllm_load(versions, workers, tmp_path):
     rx, fresh = workers
     v = versions["bits"]
@@ -290,10 +299,7 @@ def test_engine_on_dummy_weights_is_caught_and_resynced(versions, workers, tmp_p
         (served,) = rx.read("dcr_serve")
         assert result.decision.committed and served["version"] == 1
         assert result.resynced == ["rxd"] and result.metrics()["digest_checked_receivers"] == 1
-        assert compare_digests(_digests(v[3], shapes), rx.rpc("dcr_digests")) == []
-        want = fresh.rpc("dcr_loader_digests", str(versions["export"]))
-        assert compare_digests(want, rx.rpc("dcr_loader_digests")) == []
-        assert [rx.generate(p) for p in PROMPTS] == [fresh.generate(p) for p in PROMPTS]
+        assert_serves_like_a_fresh_load(rx, fresh, _digests(v[3], shapes), versions["export"])
     finally:
         if refit is not None:
             refit.close(shutdown_receivers=False)
@@ -398,10 +404,7 @@ def test_conditioned_refits_decode_against_a_canonical_mirror(versions, tmp_path
             wire += result.wire_bytes
         print(f"wire bytes of 3 refits: {wire} conditioned, {plain} plain", file=sys.stderr)
         assert wire < 0.8 * plain, (wire, plain)  # the records were coded against the mirror's bits
-        assert compare_digests(state_digests(steps[-1]), rx.rpc("dcr_digests")) == []
-        want = fresh.rpc("dcr_loader_digests", str(export))
-        assert compare_digests(want, rx.rpc("dcr_loader_digests")) == []
-        assert [rx.generate(p) for p in PROMPTS] == [fresh.generate(p) for p in PROMPTS]
+        assert_serves_like_a_fresh_load(rx, fresh, state_digests(steps[-1]), export)
     finally:
         if refit is not None:
             refit.close(shutdown_receivers=False)

@@ -65,40 +65,50 @@ def _bit_width(mc):
     return b
 
 
-@_jit
-def golomb_write(gaps, cls, m, start_byte, buf):
-    """Each class's gaps as one Golomb stream (m[c] per class: the quotient in unary, ones
-    closed by a zero, the remainder in truncated binary; m 0: no bits), the streams
-    byte-aligned from start_byte[c] in `buf` (zeroed, sized by golomb_bits), each class
-    written at its own cursor as the changes come in position order."""
-    ncls = m.size
-    at = np.empty(ncls, np.int64)
-    bw = np.empty(ncls, np.int64)
-    uu = np.empty(ncls, np.int64)
-    for c in range(ncls):
-        at[c] = start_byte[c] << 3
+@_jit_inline
+def _remainder_widths(m):
+    """Per class, the truncated-binary remainder's width b and threshold u = 2**b - m."""
+    bw = np.zeros(m.size, np.int64)
+    uu = np.zeros(m.size, np.int64)
+    for c in range(m.size):
         bw[c] = _bit_width(m[c]) if m[c] > 0 else 0
         uu[c] = (np.int64(1) << bw[c]) - m[c]
+    return bw, uu
+
+
+@_jit
+def golomb_write(gaps, cls, m, at, buf, write):
+    """Each class's gaps as one Golomb stream (m[c] per class: the quotient in unary, ones
+    closed by a zero, the remainder in truncated binary; m 0: no bits), class c's written
+    from bit at[c] of `buf` (zeroed), each class at its own cursor as the changes come in
+    position order; `at` ends past each class's last bit. With write False nothing is
+    written: `at` (zeros) ends holding each class's bits."""
+    bw, uu = _remainder_widths(m)
     for j in range(gaps.size):
         c = cls[j]
-        mc = m[c]
-        if mc == 0:
+        if m[c] == 0:
             continue
-        g = gaps[j]
-        q = g // mc
-        r = g - q * mc
+        q, rv, rb = _golomb_code(gaps[j], m[c], bw[c], uu[c])
         a = at[c]
+        if not write:
+            at[c] = a + q + 1 + rb
+            continue
         for _ in range(q):
             buf[a >> 3] |= np.uint8(0x80 >> (a & 7))
             a += 1
-        a += 1  # the zero that ends the unary
-        if mc > 1:
-            b = bw[c]
-            if r < uu[c]:
-                a = _put_bits(buf, a, r, b - 1)
-            else:
-                a = _put_bits(buf, a, r + uu[c], b)
-        at[c] = a
+        at[c] = _put_bits(buf, a + 1, rv, rb)  # after the zero that ends the unary
+
+
+@_jit_inline
+def _golomb_code(g, mc, b, u):
+    """(quotient, remainder code, its bits) of gap g with parameter mc >= 1 (b, u: _remainder_widths)."""
+    q = g // mc
+    if mc == 1:
+        return q, np.int64(0), np.int64(0)
+    r = g - q * mc
+    if r < u:
+        return q, r, np.int64(b - 1)
+    return q, r + u, np.int64(b)
 
 
 @_jit_inline
@@ -191,27 +201,6 @@ def golomb_positions(base, lo, shift, cmask, counts, m, start_byte, end_byte, bu
                     return -1
                 at += 1
     return j
-
-
-@_jit
-def golomb_bits(gaps, cls, m, out):
-    """out[c] += the bits class c's gaps take with Golomb parameter m[c] (m[c] 0: none)."""
-    ncls = m.size
-    bw = np.empty(ncls, np.int64)
-    uu = np.empty(ncls, np.int64)
-    for c in range(ncls):
-        bw[c] = _bit_width(m[c]) if m[c] > 0 else 0
-        uu[c] = (np.int64(1) << bw[c]) - m[c]
-    for j in range(gaps.size):
-        c = cls[j]
-        mc = m[c]
-        if mc == 0:
-            continue
-        q = gaps[j] // mc
-        bits = q + 1
-        if mc > 1:
-            bits += bw[c] - 1 if gaps[j] - q * mc < uu[c] else bw[c]
-        out[c] += bits
 
 
 @_jit

@@ -23,7 +23,7 @@ codec picks this encoding per record when it is smaller than the unconditioned o
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 import numpy as np
 import xxhash
 
@@ -38,7 +38,8 @@ CLASS_FIELDS = {"BF16": (7, 0xFF), "F16": (10, 0x1F)}
 MAX_GOLOMB = 1 << 40
 # Smallest change count a value group is closed at, tried in turn (the cheapest estimate wins).
 _GROUP_MINS = (1 << 62, 16384, 4096, 1024, 256)
-_M_FACTORS = (0.8, 1.0, 1.25)  # Golomb parameters tried around the geometric optimum
+_M_FACTORS = (0.8, 1.0, 1.25)
+_NO_BITS = np.zeros(0, np.uint8)  # golomb_write's buffer when it only counts  # Golomb parameters tried around the geometric optimum
 
 
 class BaselineSource(Protocol):
@@ -83,7 +84,7 @@ def encode_conditioned(pos: np.ndarray, vals: np.ndarray, dt: dtypes.DType, op: 
     start = np.zeros(ncls, np.int64)
     start[1:] = np.cumsum(nbytes)[:-1]
     stream = np.zeros(int(nbytes.sum()), np.uint8)
-    kernels.conditioned.golomb_write(gaps, cls, m, start, stream)
+    kernels.conditioned.golomb_write(gaps, cls, m, start << 3, stream, True)
     used = np.flatnonzero(kc)
     head = [leb128_ints(used.size)]
     prev = -1
@@ -110,7 +111,7 @@ def _golomb_parameters(gaps: np.ndarray, cls: np.ndarray, kc: np.ndarray, totals
     for f in _M_FACTORS:
         m = np.clip(np.rint(base * f), 1, MAX_GOLOMB).astype(np.int64)
         nb = np.zeros(ncls, np.int64)
-        kernels.conditioned.golomb_bits(gaps, cls, m, nb)
+        kernels.conditioned.golomb_write(gaps, cls, m, nb, _NO_BITS, False)
         better = nb < best_bits
         best[better], best_bits[better] = m[better], nb[better]
     zero_gaps = (np.bincount(cls, weights=gaps, minlength=ncls) == 0) & (kc > 0)
@@ -204,13 +205,19 @@ def _quantize(counts: np.ndarray) -> np.ndarray:
     return f
 
 
-def decode_conditioned(psec: np.ndarray, vsec: np.ndarray, count: int, dt: dtypes.DType, op: Op,
-                       base: BaseSpan) -> tuple[np.ndarray, np.ndarray]:
-    """(positions as uint64, values as 16-bit bits) of a conditioned record, decoded against
-    the receiver's `base`. Raises PositionsError when the sections are malformed or do not
-    fit this universe."""
-    shift, cmask = CLASS_FIELDS[dt.name]
-    ncls = cmask + 1
+class ClassStreams(NamedTuple):
+    """A conditioned positions section, parsed: per class its changes, Golomb parameter and
+    where its stream starts and ends in `stream` (the streams, back to back)."""
+
+    counts: np.ndarray
+    m: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    stream: np.ndarray
+
+
+def read_class_streams(psec: np.ndarray, count: int, ncls: int) -> ClassStreams:
+    """The positions section's class table, every field checked (PositionsError otherwise)."""
     rd = Reader(psec)
     nused = rd.varint("conditioned positions: classes", ncls)
     kc = np.zeros(ncls, np.int64)
@@ -232,12 +239,21 @@ def decode_conditioned(psec: np.ndarray, vsec: np.ndarray, count: int, dt: dtype
     rd.done("conditioned positions")
     start = np.zeros(ncls, np.int64)
     start[1:] = np.cumsum(nbytes)[:-1]
-    end = start + nbytes
+    return ClassStreams(kc, m, start, start + nbytes, np.ascontiguousarray(stream))
+
+
+def decode_conditioned(psec: np.ndarray, vsec: np.ndarray, count: int, dt: dtypes.DType, op: Op,
+                       base: BaseSpan) -> tuple[np.ndarray, np.ndarray]:
+    """(positions as uint64, values as 16-bit bits) of a conditioned record, decoded against
+    the receiver's `base`. Raises PositionsError when the sections are malformed or do not
+    fit this universe."""
+    shift, cmask = CLASS_FIELDS[dt.name]
+    ncls = cmask + 1
+    streams = read_class_streams(psec, count, ncls)
     pos = np.empty(count, np.uint64)
     cls = np.empty(count, np.int64)
     bits = np.ascontiguousarray(base.bits).view(np.uint16)
-    found = kernels.conditioned.golomb_positions(bits, np.int64(base.lo), shift, cmask, kc, m, start, end,
-                                                 np.ascontiguousarray(stream), pos, cls)
+    found = kernels.conditioned.golomb_positions(bits, np.int64(base.lo), shift, cmask, *streams, pos, cls)
     if found == -2:
         raise PositionsError("conditioned positions: more changes than the universe's elements of a class "
                              "(a baseline other than the producer's, or a corrupt section)")

@@ -31,9 +31,8 @@ from .. import dtypes
 from ..kernels.common import jit
 from ..kernels.conditioned import _golomb_read
 from ..records import Op
-from .conditioned import CLASS_FIELDS, MAX_GOLOMB, _decode_values
+from .conditioned import CLASS_FIELDS, _decode_values, read_class_streams
 from .errors import PositionsError
-from .varints import Reader
 
 # A rank past any universe (they are < 2**62): a decoded rank saturates here rather than
 # wrap, and the check against the class's total then fails as the host pass does.
@@ -52,30 +51,8 @@ class ClassGaps:
         and decode every class's gaps; nothing here needs the universe."""
         _, cmask = CLASS_FIELDS[dt.name]
         ncls = self.ncls = cmask + 1
-        rd = Reader(psec)
-        nused = rd.varint("conditioned positions: classes", ncls)
-        kc = np.zeros(ncls, np.int64)
-        m = np.zeros(ncls, np.int64)
-        nbytes = np.zeros(ncls, np.int64)
-        c = -1
-        for _ in range(nused):
-            c += 1 + rd.varint("conditioned positions: class", ncls)
-            if c >= ncls:
-                raise PositionsError(f"conditioned positions: class {c} >= {ncls}")
-            kc[c] = rd.varint("conditioned positions: class changes", count)
-            m[c] = rd.varint("conditioned positions: Golomb parameter", MAX_GOLOMB)
-            nbytes[c] = rd.varint("conditioned positions: stream bytes", rd.left)
-            if kc[c] == 0:
-                raise PositionsError(f"conditioned positions: class {c} listed with no changes")
-        if int(kc.sum()) != count:
-            raise PositionsError(f"conditioned positions: classes hold {int(kc.sum())} changes, count is {count}")
-        stream = rd.take(int(nbytes.sum()), "conditioned positions: streams")
-        rd.done("conditioned positions")
+        kc, m, self.start, self.end, self.stream = read_class_streams(psec, count, ncls)
         self.counts, self.m = kc, m
-        self.start = np.zeros(ncls, np.int64)
-        self.start[1:] = np.cumsum(nbytes)[:-1]
-        self.end = self.start + nbytes
-        self.stream = np.ascontiguousarray(stream)
         self.ranks = np.empty(count, np.int64)
         self.read = np.zeros(ncls, np.int64)  # per class: the gaps its stream gave before it ended
         self.clean = np.zeros(ncls, np.bool_)  # per class: only zero padding after its last gap
