@@ -62,9 +62,9 @@ class ConditionedCosts:
     command measures have no baseline structure to exploit, so their ratio cannot be
     measured here."""
 
-    wire_ratio: float = 0.712  # conditioned / plain wire bytes on those deltas
-    encode_elements_per_s_per_core: float = 150e6  # the producer's extra pass and coding, per element scanned
-    decode_elements_per_s_per_core: float = 309e6  # a receiver's pass over each record's universe
+    wire_ratio: float = 0.709  # conditioned / plain wire bytes on those deltas
+    encode_elements_per_s_per_core: float = 297e6  # the producer's extra pass and coding, per element scanned
+    decode_elements_per_s_per_core: float = 409e6  # a receiver's pass over each record's universe
 
 
 @dataclass
