@@ -16,7 +16,7 @@ import torch
 
 from nemo_dcr.arena import Arena
 from nemo_dcr.dtypes import host_bits
-from nemo_dcr.records import AUTO, Op, Payload, PayloadHeader, Record, TransferInfo
+from nemo_dcr.records import AUTO, BaseSpan, Op, Payload, PayloadHeader, Record, TransferInfo
 from nemo_dcr.verify import region_digest
 from nemo_dcr.wire import codec
 from nemo_dcr.wire.positions import MAX_NUMEL, check_positions
@@ -39,6 +39,31 @@ class PayloadPart(NamedTuple):
     values: np.ndarray | torch.Tensor | AutoValues  # what the record carries (op "auto": AutoValues)
     new: np.ndarray | torch.Tensor | None  # the new bits, kept for read-back digests (track_new)
     increasing: bool  # the positions are known to be strictly increasing
+    span: CommittedSpan | None = None  # the committed bits the chunk was diffed against (conditioned coding)
+
+
+@dataclass(frozen=True)
+class CommittedSpan:
+    """The committed bits `bits[lo:hi]` of one diffed chunk, which sit at canonical flat
+    positions canonical_lo .. canonical_lo + hi - lo: what a conditioned record is coded
+    against (nemo_dcr.wire.conditioned)."""
+
+    bits: np.ndarray
+    lo: int
+    hi: int
+    canonical_lo: int
+
+    @staticmethod
+    def joined(spans: list[CommittedSpan | None]) -> BaseSpan | None:
+        """One span of a record's parts when they follow each other in one committed array
+        and in canonical order (a view, no copy); else None."""
+        if not spans or any(s is None for s in spans):
+            return None
+        first = spans[0]
+        for a, b in zip(spans, spans[1:]):
+            if b.bits is not first.bits or b.lo != a.hi or b.canonical_lo != a.canonical_lo + (a.hi - a.lo):
+                return None
+        return BaseSpan(first.canonical_lo, first.bits[first.lo:spans[-1].hi])
 
 
 class PayloadBuilder:
@@ -53,9 +78,10 @@ class PayloadBuilder:
         self.track_new = track_new
         self.arena = arena if arena is not None else Arena()
 
-    def add(self, name: str, op: Op | str, positions, values, new=None, increasing: bool = False) -> None:
+    def add(self, name: str, op: Op | str, positions, values, new=None, increasing: bool = False,
+            span: CommittedSpan | None = None) -> None:
         self.parts.setdefault((name, op), []).append(
-            PayloadPart(positions, values, new if self.track_new else None, increasing))
+            PayloadPart(positions, values, new if self.track_new else None, increasing, span))
         self.elements += len(positions)
 
     def clear(self) -> None:
@@ -113,7 +139,8 @@ class PayloadBatch:
                 pos, val = pos[order], val[order]
                 new = None if new is None else new[order]
             dtype, shape = specs[name]
-            records.append(Record(name, dtype, tuple(shape), op, pos, val))
+            records.append(Record(name, dtype, tuple(shape), op, pos, val,
+                                  base=CommittedSpan.joined([p.span for p in parts])))
             if new is not None:
                 t = time.perf_counter()
                 digests[name] = region_digest(pos, new)

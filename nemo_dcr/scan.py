@@ -27,7 +27,7 @@ from nemo_dcr.baseline import Baseline
 from nemo_dcr.diff import Delta, DiffCoordinates, DiffOutput, diff, diff_arrays
 from nemo_dcr.digest import StateDigestMove
 from nemo_dcr.dtypes import host_bits, unsigned_view
-from nemo_dcr.payload_builder import AutoValues, PayloadBuilder
+from nemo_dcr.payload_builder import AutoValues, CommittedSpan, PayloadBuilder
 from nemo_dcr.placement import AffineMap, PositionSlots, merge_placed
 from nemo_dcr.records import AUTO, Op
 
@@ -42,6 +42,7 @@ class ScanTarget:
     builder: PayloadBuilder
     digest: StateDigestMove
     times: dict[str, float]
+    conditioned: bool = False  # keep each chunk's committed bits beside its changes (CommittedSpan)
 
 
 class ScannedChunk(NamedTuple):
@@ -121,7 +122,11 @@ def scan_compiled(target: ScanTarget, key: str, current: torch.Tensor, amap: Aff
         target.baseline.stage(key, torch.from_numpy(positions), torch.from_numpy(new_bits),
                               coordinates=DiffCoordinates(lo, base, rows) if canonical else None)
         changes = _host_changes(op, positions, unsigned_view(new_bits), unsigned_view(vals[0]))
-        yield _place_host(target, amap, offset, op, changes, slots, None if placed is None else placed[0], t)
+        # Conditioned coding: a chunk whose diff gave canonical positions by one shift sits
+        # on one canonical span, whose committed bits are com[lo:hi].
+        span = (CommittedSpan(com, lo, hi, base) if target.conditioned and placed is not None and rows is None
+                and op in (AUTO, Op.XOR, Op.ADD) else None)
+        yield _place_host(target, amap, offset, op, changes, slots, None if placed is None else placed[0], t, span)
 
 
 def scan_torch(target: ScanTarget, key: str, current: torch.Tensor, amap: AffineMap, offset: int,
@@ -172,7 +177,8 @@ def _host_changes(op: Op | str, positions: np.ndarray, new: np.ndarray, diffed: 
 
 
 def _place_host(target: ScanTarget, amap: AffineMap, offset: int, op: Op | str, changes: HostChanges,
-                slots: PositionSlots | None, canonical_name: str | None, started: float) -> ScannedChunk:
+                slots: PositionSlots | None, canonical_name: str | None, started: float,
+                span: CommittedSpan | None = None) -> ScannedChunk:
     """Place a chunk's changes through `amap` into the builder (`canonical_name`: the diff
     gave canonical positions of that tensor already) and the state digest's move."""
     t = time.perf_counter()
@@ -186,7 +192,7 @@ def _place_host(target: ScanTarget, amap: AffineMap, offset: int, op: Op | str, 
     placed = 0
     for name, cpos, src, increasing in spans:
         values = AutoValues(changes.values.add[src], changes.values.new[src]) if op == AUTO else changes.values[src]
-        target.builder.add(name, op, cpos, values, changes.new[src] if keep_new else None, increasing)
+        target.builder.add(name, op, cpos, values, changes.new[src] if keep_new else None, increasing, span)
         target.digest.account(name, changes.digest_op, cpos, changes.new[src], changes.digest_values[src])
         placed += cpos.size
     target.times["place"] += time.perf_counter() - t
