@@ -147,21 +147,32 @@ def header_json(mv: memoryview, flags: int, hlen: int, limits: DecodeLimits) -> 
     raw = mv[FRAME_HEAD_BYTES:FRAME_HEAD_BYTES + hlen]
     if not flags & FLAG_HEADER_ZSTD:
         return bytes(raw)
-    if bytes(raw[:4]) != _ZSTD_FRAME_MAGIC:
-        raise Malformed("compressed header is not a zstd frame")
-    try:
-        size = zstandard.get_frame_parameters(raw).content_size
-    except zstandard.ZstdError as e:
-        raise Malformed(f"compressed header: bad zstd frame header ({e})") from None
+    where = "compressed header"
+    size = _declared_size(raw, where)
     if size == zstandard.CONTENTSIZE_UNKNOWN or not 0 < size <= limits.max_header_bytes:
-        raise Malformed(f"compressed header declares {size} bytes (limit max_header_bytes={limits.max_header_bytes})")
+        raise Malformed(f"{where} declares {size} bytes (limit max_header_bytes={limits.max_header_bytes})")
+    return _decompress(raw, size, where, zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW))
+
+
+def _declared_size(frame: memoryview, where: str) -> int:
+    """The content size a zstd frame declares (Malformed when it is not one)."""
+    if bytes(frame[:4]) != _ZSTD_FRAME_MAGIC:
+        raise Malformed(f"{where} is not a zstd frame")
     try:
-        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
-            raw, max_output_size=size, allow_extra_data=False)
+        return zstandard.get_frame_parameters(frame).content_size
     except zstandard.ZstdError as e:
-        raise Malformed(f"compressed header: zstd decompression failed ({e})") from None
+        raise Malformed(f"{where}: bad zstd frame header ({e})") from None
+
+
+def _decompress(frame: memoryview, size: int, where: str, dctx: zstandard.ZstdDecompressor) -> bytes:
+    """Exactly `size` bytes out of one zstd frame (its declared size, checked by the caller
+    before: the output buffer is sized from it), or Malformed."""
+    try:
+        out = dctx.decompress(frame, max_output_size=size, allow_extra_data=False)
+    except zstandard.ZstdError as e:
+        raise Malformed(f"{where}: zstd decompression failed ({e})") from None
     if len(out) != size:
-        raise Malformed(f"compressed header: {len(out)} bytes, its frame declares {size}")
+        raise Malformed(f"{where}: decompressed to {len(out)} bytes, declared {size}")
     return out
 
 
@@ -187,20 +198,9 @@ def section_bytes(body: memoryview, sec: Section, where: str,
     frame = body[sec.offset:sec.offset + sec.length]
     if sec.stored:  # read in place; the header parser checked length == raw_length
         return frame
-    if bytes(frame[:4]) != _ZSTD_FRAME_MAGIC:
-        raise Malformed(f"{where}: section is not a zstd frame")
-    try:
-        declared = zstandard.get_frame_parameters(frame).content_size
-    except zstandard.ZstdError as e:
-        raise Malformed(f"{where}: bad zstd frame header ({e})") from None
+    declared = _declared_size(frame, f"{where} section")
     if declared != sec.raw_length:
         # Checked before decompressing: the output buffer is sized from the frame.
         raise Malformed(f"{where}: zstd frame declares {declared} bytes, header says {sec.raw_length} "
                         "(possible decompression bomb)")
-    try:
-        out = dctx.decompress(frame, max_output_size=sec.raw_length, allow_extra_data=False)
-    except zstandard.ZstdError as e:
-        raise Malformed(f"{where}: zstd decompression failed ({e})") from None
-    if len(out) != sec.raw_length:
-        raise Malformed(f"{where}: decompressed to {len(out)} bytes, header says {sec.raw_length}")
-    return out
+    return _decompress(frame, sec.raw_length, where, dctx)
