@@ -7,7 +7,8 @@ Face model, a tensor store) reads them in place (`RuntimeAdapter.committed_bits`
 does not - vLLM fuses QKV and gate/up, repacks weights for its kernels, and under tensor
 parallelism a worker holds only its shard - keeps this mirror instead: host memory of one
 copy of the canonical model (2 bytes a BF16 parameter), moved by every apply and revert in
-O(changes).
+O(changes). The mirror is a tensor store (`TensorStoreRuntime`) of its own copies: records
+are applied and undone there exactly as a canonical receiver applies them.
 """
 
 from __future__ import annotations
@@ -18,21 +19,17 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from nemo_dcr import dtypes
 from nemo_dcr.errors import ApplyError
-from nemo_dcr.records import Op, Record
+from nemo_dcr.records import Record
+from nemo_dcr.runtimes.base import UndoLog
+from nemo_dcr.runtimes.store import TensorStoreRuntime
 
 
 class CanonicalMirror:
-    """Canonical name -> committed bits (a flat array of unsigned integers, host memory)."""
+    """Host copies of canonical tensors by name, moved by the records a receiver applies."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor | np.ndarray]):
-        self.bits_by_name: dict[str, np.ndarray] = {}
-        for name, t in tensors.items():
-            if isinstance(t, torch.Tensor):
-                t = dtypes.bits_of(t.detach()).reshape(-1).cpu().numpy()
-            a = np.array(t, copy=True).reshape(-1)
-            self.bits_by_name[name] = a.view(np.dtype(f"u{a.itemsize}"))  # unsigned, as records carry bits
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.store = TensorStoreRuntime({name: t.detach().cpu().clone() for name, t in tensors.items()})
 
     @classmethod
     def from_checkpoint(cls, directory: str | os.PathLike, names: Iterable[str] | None = None) -> CanonicalMirror:
@@ -46,7 +43,7 @@ class CanonicalMirror:
         tensors = {}
         for path in safetensors_files(directory):
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
                     if wanted is None or name in wanted:
                         tensors[name] = f.get_tensor(name)
         if wanted is not None and wanted - tensors.keys():
@@ -54,32 +51,24 @@ class CanonicalMirror:
             raise ApplyError(f"checkpoint {directory} lacks {len(missing)} tensor(s) the mirror needs: {missing[:5]}")
         return cls(tensors)
 
+    def __len__(self) -> int:
+        """The tensors the mirror holds."""
+        return len(self.store.tensors)
+
     @property
     def nbytes(self) -> int:
         """Host memory the mirror holds."""
-        return sum(b.nbytes for b in self.bits_by_name.values())
+        return sum(t.nbytes for t in self.store.tensors.values())
 
     def bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
-        b = self.bits_by_name.get(name)
-        return None if b is None or not 0 <= lo <= hi <= b.size else b[lo:hi]
+        """Tensor `name`'s committed bits at flat positions lo .. hi (unsigned), or None."""
+        return self.store.committed_bits(name, lo, hi)
 
-    def apply(self, records: Sequence[Record]) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        """Apply records as the runtime did; returns what `revert` needs (the old bits of
-        the positions written). Records of tensors the mirror does not hold are skipped."""
-        undo = []
-        for r in records:
-            b = self.bits_by_name.get(r.name)
-            if b is None or len(r) == 0:
-                continue
-            idx = np.asarray(r.positions).astype(np.int64, copy=False)
-            vals = np.asarray(r.values).view(b.dtype)
-            old = b[idx]
-            op = Op(r.op)
-            b[idx] = old ^ vals if op is Op.XOR else (old + vals) if op is Op.ADD else vals
-            undo.append((r.name, idx, old))
-        return undo
+    def apply(self, records: Sequence[Record]) -> UndoLog:
+        """Apply records as the runtime did (those of tensors the mirror does not hold are
+        skipped); returns what `revert` needs."""
+        return self.store.apply([r for r in records if r.name in self.store.tensors])
 
-    def revert(self, undo: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
-        """Put back the bits an `apply` overwrote, newest first."""
-        for name, idx, old in reversed(undo):
-            self.bits_by_name[name][idx] = old
+    def revert(self, undo: UndoLog) -> None:
+        """Undo an `apply`."""
+        self.store.revert(undo)

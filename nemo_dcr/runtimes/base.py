@@ -41,7 +41,7 @@ class UndoLog:
     steps: list[Any] = field(default_factory=list)
     reverted: bool = False
     digest: StateDigest | None = None
-    mirror: list[Any] = field(default_factory=list)  # the receiver's canonical mirror's own undo (nemo_dcr.mirror)
+    mirror: UndoLog | None = None  # the receiver's canonical mirror's own (nemo_dcr.mirror)
 
     def __len__(self) -> int:
         return len(self.steps)

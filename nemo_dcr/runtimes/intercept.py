@@ -203,7 +203,7 @@ class NativeLoaderAdapter(RuntimeAdapter, abc.ABC):
         if not self.canonical_layout or name not in self.catalog():
             return None
         flat = dtypes.bits_of(self._canonical_tensor(name).detach()).reshape(-1)
-        return flat[lo:hi].cpu().numpy() if 0 <= lo <= hi <= flat.numel() else None
+        return dtypes.host_bits(flat[lo:hi]) if 0 <= lo <= hi <= flat.numel() else None
 
     def _refresh(self) -> None:
         """Drop anything cached about the model's storage (before planning and undo)."""

@@ -102,7 +102,7 @@ class InPlaceReceiver:
 
             self.mirror = CanonicalMirror.from_checkpoint(checkpoint, names=runtime.catalog())
             log.info("[%s] canonical mirror of %d tensors from %s for conditioned coding: %.1f MiB of host memory",
-                     receiver_id, len(self.mirror.bits_by_name), checkpoint, self.mirror.nbytes / 2**20)
+                     receiver_id, len(self.mirror), checkpoint, self.mirror.nbytes / 2**20)
         self.receiver = Receiver(receiver_id, runtime, self.end, key=settings.key(),
                                  state_digest=settings.state_digest, log=log.info, mirror=self.mirror)
         self.last: dict = {}

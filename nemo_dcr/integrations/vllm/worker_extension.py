@@ -90,7 +90,7 @@ class DCRWorkerExtension:
                                       history=open_history(history, wiring), mirror=mirror)
         if mirror is not None:
             _log.info("nemo-dcr: receiver %s keeps a canonical mirror of %d tensors from %s for conditioned "
-                      "coding: %.1f MiB of host memory", rid, len(mirror.bits_by_name), checkpoint_dir,
+                      "coding: %.1f MiB of host memory", rid, len(mirror), checkpoint_dir,
                       mirror.nbytes / 2**20)
         return {"receiver_id": rid, "catalog": len(runtime.catalog()), "ignored": dict(runtime.ignored),
                 "mirror_bytes": 0 if mirror is None else mirror.nbytes,
