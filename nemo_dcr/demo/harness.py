@@ -68,6 +68,21 @@ def init_distributed(
     model_parallel_cuda_manual_seed(seed)
 
 
+def checkpoint_parts(checkpoint: str, family: str, qkv_residual: bool = False):
+    """(HF config, tensor specs, converter, layout) of a trainer refitting from the version-0
+    `checkpoint`: the family's converter (QKV as a residual on request) and the Megatron
+    layout of this process's ranks (after `init_distributed`)."""
+    from transformers import AutoConfig
+
+    from nemo_dcr import registry
+    from nemo_dcr.capture import megatron_layout
+    from nemo_dcr.checkpoint import read_specs
+
+    hf_config = AutoConfig.from_pretrained(checkpoint)
+    options = {"qkv_as_residual": True} if qkv_residual else {}
+    return hf_config, read_specs(checkpoint), registry.converter(family, hf_config, **options), megatron_layout()
+
+
 def shutdown() -> None:
     """Tear down megatron parallel state and the process group."""
     from megatron.core import parallel_state

@@ -90,11 +90,9 @@ def main(argv=None) -> int:
     from nemo_dcr.demo import megatron_cpu
 
     megatron_cpu.install()  # before megatron-core is imported; nothing where CUDA is available
-    from transformers import AutoConfig
-
     from nemo_dcr import registry
-    from nemo_dcr.capture import attach_post_step_hook, megatron_layout, megatron_owned_ranges
-    from nemo_dcr.checkpoint import CheckpointReader, read_specs
+    from nemo_dcr.capture import attach_post_step_hook, megatron_owned_ranges
+    from nemo_dcr.checkpoint import CheckpointReader
     from nemo_dcr.converter import coverage_report, owned_intervals
     from nemo_dcr.demo import harness as H
     from nemo_dcr.errors import TransferFailed
@@ -106,11 +104,7 @@ def main(argv=None) -> int:
 
     H.init_distributed(args.tp, args.pp, vpp=args.vpp, ep=args.ep, etp=1 if args.ep > 1 else None)
     rank = dist.get_rank()
-    hf_config = AutoConfig.from_pretrained(args.checkpoint)
-    specs = read_specs(args.checkpoint)
-    options = {"qkv_as_residual": True} if args.qkv_residual else {}
-    converter = registry.converter(args.family, hf_config, **options)
-    layout = megatron_layout()
+    hf_config, specs, converter, layout = H.checkpoint_parts(args.checkpoint, args.family, args.qkv_residual)
     vpp = f" (x{args.vpp} virtual)" if args.vpp else ""
     ep = f" EP={args.ep}" if args.ep > 1 else ""
     sp = " SP" if args.sp else ""

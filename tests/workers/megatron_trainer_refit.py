@@ -44,13 +44,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from safetensors.torch import save_file
-    from transformers import AutoConfig
-
     from tests.support.reference_export import reference_export
 
     from nemo_dcr import registry
-    from nemo_dcr.capture import megatron_layout, megatron_owned_ranges
-    from nemo_dcr.checkpoint import CheckpointReader, read_specs
+    from nemo_dcr.capture import megatron_owned_ranges
+    from nemo_dcr.checkpoint import CheckpointReader
     from nemo_dcr.demo import harness as H
     from nemo_dcr.layout import LocalParam
     from nemo_dcr.records import Op
@@ -61,11 +59,7 @@ def main() -> None:
 
     H.init_distributed(args.tp, args.pp)
     rank = dist.get_rank()
-    hf_config = AutoConfig.from_pretrained(args.checkpoint)
-    specs = read_specs(args.checkpoint)
-    options = {"qkv_as_residual": True} if args.qkv_residual else {}
-    converter = registry.converter(args.family, hf_config, **options)
-    layout = megatron_layout()
+    hf_config, specs, converter, layout = H.checkpoint_parts(args.checkpoint, args.family, args.qkv_residual)
     model, optimizer = H.build_trained_model(hf_config, args.tp, args.pp, lr=args.lr)
     params = megatron_param_name_map(model)
     local = [LocalParam(n, tuple(p.shape), p.dtype) for n, p in params.items()]
