@@ -298,11 +298,17 @@ def apply_bits(old: np.ndarray, op: Op, pos: np.ndarray, vals: np.ndarray) -> np
     return out
 
 
-def encode_exact(records: list[Record], olds: list[np.ndarray], news: list[np.ndarray]) -> int:
+def encode_exact(records: list[Record], olds: list[np.ndarray], news: list[np.ndarray], timed: dict | None = None
+                 ) -> int:
     """Bytes of one payload of `records`, after checking that decoding it and applying each
-    record to its old bits gives exactly the new bits."""
+    record to its old bits gives exactly the new bits. `timed`: gets the payload ("data")
+    and the seconds its encode and decode took ("encode_s", "decode_s")."""
+    t = time.perf_counter()
     data = codec.encode(Payload(HDR, records))
+    t1 = time.perf_counter()
     back = codec.decode(data, baselines=OldBits({r.name: o for r, o in zip(records, olds)})).records
+    if timed is not None:
+        timed.update(data=data, encode_s=t1 - t, decode_s=time.perf_counter() - t1)
     for want, got, old, new in zip(records, back, olds, news, strict=True):
         if got.name != want.name or not np.array_equal(apply_bits(old, Op(got.op), got.positions,
                                                                   np.asarray(got.values).view(np.uint16)), new):
@@ -401,16 +407,12 @@ def analyse_tensor(name: str, old: np.ndarray, new: np.ndarray, envelope: int) -
     rec = record(name, n, op, pos, vals)
     ours = encode_exact([rec], [old], [new])
     crec = record(name, n, op, pos, vals, BaseSpan(0, old))
-    t = time.perf_counter()
-    data = codec.encode(Payload(HDR, [crec]))
-    enc_s = time.perf_counter() - t
-    t = time.perf_counter()
-    codec.decode(data, baselines=OldBits({name: old}))
-    dec_s = time.perf_counter() - t
-    cond = encode_exact([crec], [old], [new])
+    timed: dict = {}
+    cond = encode_exact([crec], [old], [new], timed)
     nemo = nemo_rl_exact([(name, n, pos, xor)], [old], [new])
     row.update(op=op.value, ours_bytes=ours, nemo_rl_bytes=nemo, ours_cond_bytes=cond,
-               conditioned='"gaps_conditioned"' in codec.header_text(data), cond_encode_s=enc_s, cond_decode_s=dec_s,
+               conditioned='"gaps_conditioned"' in codec.header_text(timed["data"]),
+               cond_encode_s=timed["encode_s"], cond_decode_s=timed["decode_s"],
                header_bytes=header_bytes(name, n, op, envelope),
                split_bytes=split_bytes(name, n, op, pos, vals, ours),
                cond_split_bytes=split_bytes(name, n, op, pos, vals, cond, old))
