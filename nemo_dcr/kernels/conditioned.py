@@ -19,6 +19,7 @@ SCALE = 1 << SCALE_BITS
 RANS_L = 1 << 16  # the state lives in [RANS_L, 2**32); 16-bit words renormalise it
 ALPHABET = 256  # value symbols: 0..254 literal, 255 escapes to the raw 16-bit value
 ESCAPE = ALPHABET - 1
+_NEVER = np.int64(1) << 62  # more elements than any universe holds
 
 
 @_jit
@@ -157,7 +158,9 @@ def golomb_positions(base, lo, shift, cmask, counts, m, start_byte, end_byte, bu
     baseline that is not the producer's, or a malformed section)."""
     ncls = counts.size
     left = counts.copy()
-    gap = np.zeros(ncls, np.int64)
+    # due[c]: elements of class c still to pass before its next change; _NEVER once none is
+    # left (counting down from it never reaches 0), so the hot loop has one load and one test.
+    due = np.full(ncls, _NEVER, np.int64)
     bitpos = np.zeros(ncls, np.int64)
     bw = np.zeros(ncls, np.int64)
     uu = np.zeros(ncls, np.int64)
@@ -169,25 +172,27 @@ def golomb_positions(base, lo, shift, cmask, counts, m, start_byte, end_byte, bu
             g, at = _golomb_read(buf, bitpos[c], end_byte[c] << 3, m[c], bw[c], uu[c])
             if g < 0:
                 return -1
-            gap[c] = g
+            due[c] = g
             bitpos[c] = at
     j = 0
     for i in range(base.size):
         c = (np.int64(base[i]) >> shift) & cmask
+        d = due[c]
+        if d != 0:
+            due[c] = d - 1
+            continue
+        pos_out[j] = lo + i
+        cls_out[j] = c
+        j += 1
+        left[c] -= 1
         if left[c] > 0:
-            if gap[c] == 0:
-                pos_out[j] = lo + i
-                cls_out[j] = c
-                j += 1
-                left[c] -= 1
-                if left[c] > 0:
-                    g, at = _golomb_read(buf, bitpos[c], end_byte[c] << 3, m[c], bw[c], uu[c])
-                    if g < 0:
-                        return -1
-                    gap[c] = g
-                    bitpos[c] = at
-            else:
-                gap[c] -= 1
+            g, at = _golomb_read(buf, bitpos[c], end_byte[c] << 3, m[c], bw[c], uu[c])
+            if g < 0:
+                return -1
+            due[c] = g
+            bitpos[c] = at
+        else:
+            due[c] = _NEVER
     for c in range(ncls):
         if left[c] > 0:
             return -2
