@@ -164,6 +164,11 @@ class Cluster:
     receiver_gpus_per_node: int = 8  # H100 nodes
     receiver_cores_per_node: int = 96
     receiver_memory_gb_per_node: float = 640.0  # 8 x 80 GB
+    receiver_host_memory_gb_per_node: float = 2048.0  # host memory (DGX H100: 2 TB)
+    # Decode on several threads per receiver (Receiver(decode_threads=)): throughput per
+    # thread over one thread's, measured at 2 threads on 2 cores, conditioned records
+    # (benchmarks/decode_threads.py: 0.80-0.91); assumed to hold at a node's share per GPU.
+    decode_thread_efficiency: float = 0.8
     cross_gbps: float = PAPER_LINK_GBPS  # aggregate across regions (default: the paper's links)
     intra_gbps: float = 100.0  # per node, inside the receiver region
     fanout: int = 2
@@ -182,6 +187,11 @@ class Cluster:
         """Smallest node count whose memory holds the BF16 weights with 25% headroom."""
         per_node = self.receiver_memory_gb_per_node * 1e9
         return min(self.receiver_nodes, max(1, math.ceil(dense_bytes * 1.25 / per_node)))
+
+    @property
+    def decode_threads(self) -> int:
+        """Each receiver worker's decode threads: its GPU's share of the node's cores."""
+        return max(1, self.receiver_cores_per_node // self.receiver_gpus_per_node)
 
 
 @dataclass
@@ -221,17 +231,20 @@ def project(cluster: Cluster, costs: Costs, conditioned: ConditionedCosts | None
     scan_rate_device = costs.scan_gbps_per_core * c.producer_device_speedup * c.producer_gpus_per_node * 1e9
     scan_rate = max(scan_rate, scan_rate_device)
     share = wire / per_replica  # what one receiver node needs
+    # Every worker of a node (one per GPU, tensor parallel) receives and decodes the node's
+    # whole share, each on its part of the node's cores.
+    worker_cores = c.decode_threads * c.decode_thread_efficiency
     stages = {
         "scan (diff + encode)": dense / c.producer_nodes / scan_rate,
         "cross-region transfer": wire * 8 / (c.cross_gbps * 1e9),
         "relay fan-out": (c.fanout * share * 8 / (c.intra_gbps * 1e9)) if depth else 0.0,
-        "decode + apply": (changes / per_replica) * 2 / (costs.apply_gbps_per_core * 1e9 * c.receiver_cores_per_node),
+        "decode + apply": (changes / per_replica) * 2 / (costs.apply_gbps_per_core * 1e9 * worker_cores),
     }
     if conditioned is not None:
         stages["conditioned encode"] = (c.params / c.producer_nodes
                                         / (conditioned.encode_elements_per_s_per_core * c.producer_cores_per_node))
         stages["conditioned decode"] = (c.params / per_replica
-                                        / (conditioned.decode_elements_per_s_per_core * c.receiver_cores_per_node))
+                                        / (conditioned.decode_elements_per_s_per_core * worker_cores))
     chunk = c.chunk_mb * 1e6
     fill = (chunk * 8 / (c.cross_gbps * 1e9) + depth * chunk * 8 / (c.intra_gbps * 1e9))
     p = Projection(cluster=c, costs=costs, stages_s=stages, wire_bytes=wire, dense_bytes=dense)
@@ -255,7 +268,9 @@ def project(cluster: Cluster, costs: Costs, conditioned: ConditionedCosts | None
         + (" (the paper's links: the rate its dense reference implies)" if c.cross_gbps == PAPER_LINK_GBPS else "")
         + "; every wire byte crosses once",
         f"inside the receiver region: relay tree fan-out {c.fanout}, depth {depth}, {c.intra_gbps:g} Gbit/s per node",
-        f"decode + apply on {c.receiver_cores_per_node} cores per receiver node at the measured per-core rate",
+        f"decode + apply: each of a node's {c.receiver_gpus_per_node} workers decodes the node's whole share on "
+        f"{c.decode_threads} threads ({c.receiver_cores_per_node} cores / {c.receiver_gpus_per_node}), at the "
+        f"measured per-core rate x {c.decode_thread_efficiency:g} per thread (benchmarks/decode_threads.py)",
         f"pipelined: total = slowest stage + fill ({c.chunk_mb:g} MB chunk through every hop: {fill:.2f} s) "
         f"+ commit {c.commit_rtt_s:g} s",
         f"dense reference over the same links: {dense / 1e9:.0f} GB at {c.cross_gbps:.3g} Gbit/s",
@@ -268,8 +283,21 @@ def project(cluster: Cluster, costs: Costs, conditioned: ConditionedCosts | None
             f"{conditioned.decode_elements_per_s_per_core / 1e6:.0f}M per receiver core (measured there too), "
             "pipelined with the transfer; receivers without canonical layout keep a canonical host mirror "
             "(2 bytes per parameter)",
+            mirror_memory(c, per_replica),
         ]
     return p
+
+
+def mirror_memory(c: Cluster, per_replica: int) -> str:
+    """What the vLLM workers' canonical mirrors take per node, against its host memory."""
+    per_worker = c.params / per_replica * 2 / 1e9
+    total = per_worker * c.receiver_gpus_per_node
+    verdict = ("fits" if total <= c.receiver_host_memory_gb_per_node else
+               "does NOT fit: at this size conditioned coding into vLLM needs one mirror shared by a node's "
+               "workers, which is not implemented (canonical-layout receivers need no mirror)")
+    return (f"mirrors (vLLM): each worker keeps the node's share whole, {per_worker:.0f} GB; x "
+            f"{c.receiver_gpus_per_node} workers = {total / 1e3:.1f} TB per node against "
+            f"{c.receiver_host_memory_gb_per_node / 1e3:.1f} TB of host memory: {verdict}")
 
 
 def paper_links() -> list[str]:

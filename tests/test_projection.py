@@ -90,3 +90,22 @@ def test_conditioned_coding_is_projected_beside_the_plain_one():
     assert cond.total_s < plain.total_s
     text = report(plain, cond)
     assert "with baseline-conditioned coding" in text and f"with it {cond.total_s:.2f} s" in text
+
+
+def test_each_worker_of_a_node_decodes_the_nodes_share_on_its_part_of_the_cores():
+    from nemo_dcr.projection import Cluster, ConditionedCosts, project, report
+
+    cond = ConditionedCosts()
+    c = Cluster()
+    p = project(c, COSTS, cond)
+    threads = c.receiver_cores_per_node // c.receiver_gpus_per_node
+    share = c.params / c.nodes_per_replica(c.params * 2)
+    assert p.stages_s["conditioned decode"] == pytest.approx(
+        share / (cond.decode_elements_per_s_per_core * threads * c.decode_thread_efficiency))
+    # Twice the GPUs on a node (the same cores): each worker has half the threads, twice the time.
+    denser = project(dataclasses.replace(c, receiver_gpus_per_node=16, receiver_gpus=128), COSTS, cond)
+    assert denser.stages_s["conditioned decode"] == pytest.approx(2 * p.stages_s["conditioned decode"])
+    text = report(project(c, COSTS), p)
+    assert "mirrors (vLLM)" in text and "does NOT fit" in text  # 1T: eight whole mirrors exceed a node
+    small = dataclasses.replace(c, params=8e9)
+    assert "fits" in report(project(small, COSTS), project(small, COSTS, cond)).split("mirrors (vLLM)")[1]
