@@ -125,7 +125,7 @@ def _decode(receiver, history, report, kind, version, pid, expected):
     data = history.get_payload(kind, version, pid)
     payload = codec.decode(data, key=receiver.key, catalog=receiver.catalog, limits=receiver.limits,
                            expected=expected, baselines=receiver.baselines,
-                           held=receiver.held)
+                           held=receiver.held, threads=receiver.decode_threads)
     if payload.header.payload_id != pid:
         raise PayloadRejected(pid, f"stored under {pid} but its header names {payload.header.payload_id}")
     report.payloads += 1

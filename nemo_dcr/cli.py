@@ -68,7 +68,7 @@ def cmd_receive(args) -> int:
     end = transport.receiver(args.id)
     receiver = Receiver(args.id, runtime, end, key=_key(args.key_env), log=lambda m: print(m, flush=True),
                         history=open_history(args.history, transport), rescan=args.rescan,
-                        state_digest=not args.no_state_digest)
+                        state_digest=not args.no_state_digest, decode_threads=args.decode_threads)
     params = sum(p.numel() for p in model.parameters())
     copied = (f", {runtime.privatized_bytes / 1e9:.2f} GB copied out of the checkpoint's memory map"
               if runtime.privatized_bytes else "")
@@ -351,6 +351,9 @@ def main(argv=None) -> int:
     r.add_argument("--apply-threads", type=_positive_int, default=None,
                    help="threads for the pause's in-place apply (default: the cores this process may use, "
                         "at most 8)")
+    r.add_argument("--decode-threads", type=_positive_int, default=None,
+                   help="threads that decode a payload's records when it is staged (default: the cores this "
+                        "process may use, at most 8)")
     r.add_argument("--rescan", action="store_true",
                    help="read the whole-state digest from the model again at every begin (O(model)), so that "
                         "bits changed outside refits are caught there")

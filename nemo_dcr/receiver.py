@@ -36,6 +36,7 @@ from nemo_dcr.metrics import page_faults
 from nemo_dcr.mirror import CanonicalMirror
 from nemo_dcr.records import Op, Payload, TransferInfo
 from nemo_dcr.runtimes.base import RuntimeAdapter, UndoLog
+from nemo_dcr.runtimes.scatter import resolve_threads
 from nemo_dcr.transport import ReceiverEnd
 from nemo_dcr.verify import read_back, state_digests
 from nemo_dcr.wire import codec
@@ -101,6 +102,7 @@ class Receiver:
         state_digest: bool = True,
         key_mismatch_exit_s: float | None = 60.0,
         mirror: CanonicalMirror | None = None,
+        decode_threads: int | None = None,
     ):
         """`history` (a `nemo_dcr.history.History` or a directory): where to catch up from
         when a transfer starts from a version this receiver does not serve, when its bits
@@ -124,13 +126,18 @@ class Receiver:
         records decode against where the runtime does not hold its tensors in canonical
         layout (vLLM); it must hold this receiver's version of every tensor it serves, and
         every apply and revert moves it too. Without one such a runtime rejects conditioned
-        records, naming the tensor."""
+        records, naming the tensor.
+
+        `decode_threads`: a payload's records are decoded on up to this many threads when
+        it is staged (None: the cores this process may use, at most 8). Several receivers
+        on one host (one per GPU) share its cores: give each its part."""
         self.id, self.runtime, self.end = receiver_id, runtime, end
         self.mirror = mirror
         self.baselines = CommittedBits(runtime, mirror)  # what conditioned records decode against
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
         self.max_staged_bytes = max_staged_bytes
+        self.decode_threads = resolve_threads(decode_threads, "decode_threads")
         # A runtime may hold a subset of the model (one Megatron-inference rank): payloads
         # are validated against the whole `canonical_catalog` (names outside it are still
         # rejected) and only records of tensors in `runtime.catalog()` (`held`) are applied.
@@ -431,7 +438,7 @@ class Receiver:
                 payload = codec.decode(
                     data, key=self.key, catalog=self.catalog, limits=self.limits,
                     expected=codec.Expected(info.transfer_id, info.base_version, info.target_version),
-                    baselines=self.baselines, held=self.held,
+                    baselines=self.baselines, held=self.held, threads=self.decode_threads,
                 )
                 if payload.header.payload_id != pid or payload.header.producer_id != producer:
                     raise PayloadRejected(pid, f"header names payload {payload.header.payload_id} "

@@ -72,12 +72,12 @@ def default_threads() -> int:
     return max(1, min(cores, 8))
 
 
-def resolve_threads(threads: int | None) -> int:
-    """`threads`, checked, or `default_threads()` for None."""
+def resolve_threads(threads: int | None, what: str = "apply threads") -> int:
+    """`threads`, checked, or `default_threads()` for None; `what` names it in the error."""
     if threads is None:
         return default_threads()
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"apply threads must be a positive integer or None (the cores), got {threads!r}")
+        raise ValueError(f"{what} must be a positive integer or None (the cores), got {threads!r}")
     return threads
 
 

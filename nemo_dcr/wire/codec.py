@@ -20,6 +20,8 @@ Nothing is unpickled.
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
@@ -401,6 +403,7 @@ def decode(
     limits: DecodeLimits = DecodeLimits(),
     baselines: conditioned.BaselineSource | None = None,
     held: Collection[str] | None = None,
+    threads: int = 1,
 ) -> Payload:
     """Validate and decode a payload (format v5 or v6); raise PayloadRejected(payload_id, reason) if bad.
 
@@ -412,7 +415,12 @@ def decode(
          (nemo_dcr.wire.conditioned); without it such a record is rejected.
     held: the tensors this decoder applies (None: all). A conditioned record of another
          tensor is left out of the decoded payload: its baseline is not here to decode it.
+    threads: records are decoded on up to this many threads (the compiled passes and zstd
+         release the GIL). The result, and which record a rejection names (the first bad
+         one in header order), do not depend on it.
     """
+    if type(threads) is not int or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     kbytes = key_bytes(key) if key is not None else None
     mv = bytes_view(data)
     with _Rejecting() as guard:
@@ -430,9 +438,8 @@ def decode(
         check_catalog(metas, catalog)
         # Read-only: stored sections are read in place, and nothing here may write to the caller's buffer.
         body = mv[FRAME_HEAD_BYTES + hlen:FRAME_HEAD_BYTES + hlen + body_len].toreadonly()
-        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-        records = [_decode_record(m, body, dctx, baselines) for m in metas
-                   if held is None or m.baseline is None or m.name in held]
+        wanted = [m for m in metas if held is None or m.baseline is None or m.name in held]
+        records = _decode_records(wanted, body, baselines, threads)
         _check_no_overlap(records)
         return Payload(header=header, records=records)
 
@@ -478,6 +485,40 @@ def _overlap(arrays: list) -> bool:
     """Whether position arrays (or tensors, on any device) share a position."""
     allp = np.sort(np.concatenate([a.cpu().numpy() if isinstance(a, torch.Tensor) else a for a in arrays]))
     return bool(allp.size > 1 and np.any(allp[1:] == allp[:-1]))
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+_thread_state = threading.local()
+
+
+def _decode_records(metas: list[RecordMeta], body: memoryview, baselines: conditioned.BaselineSource | None,
+                    threads: int) -> list[Record]:
+    """The records of `metas`, in order; on `threads` threads of a shared pool where there
+    are several. A failure is raised for the first failing record in order, as one
+    thread would raise it (later records may have been decoded meanwhile: nothing is
+    written by decoding)."""
+    if threads == 1 or len(metas) < 2:
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        return [_decode_record(m, body, dctx, baselines) for m in metas]
+    with _pools_lock:
+        pool = _pools.get(threads)
+        if pool is None:
+            pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="nemo-dcr-decode")
+    futures = [pool.submit(_decode_record_here, m, body, baselines) for m in metas]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()  # after a failure: records not started yet are not decoded
+
+
+def _decode_record_here(m: RecordMeta, body: memoryview, baselines: conditioned.BaselineSource | None) -> Record:
+    """`_decode_record` with this pool thread's own decompressor (one is not shared)."""
+    dctx = getattr(_thread_state, "dctx", None)
+    if dctx is None:
+        dctx = _thread_state.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+    return _decode_record(m, body, dctx, baselines)
 
 
 def _decode_record(m: RecordMeta, body: memoryview, dctx: zstandard.ZstdDecompressor,
