@@ -255,3 +255,14 @@ def test_gpu_device_path_benchmark_smoke(tmp_path):
     for r in dec["rows"]:
         assert r["bit_exact"] and 0.005 < r["rate"] < 0.1 and r["host_elements_per_s"] > 0
         assert r["device_elements_per_s"] > 0 and r["device_changes_per_s"] > 0
+
+
+def test_decode_threads_benchmark_smoke(tmp_path):
+    out = tmp_path / "decode_threads.json"
+    proc = subprocess.run([sys.executable, "benchmarks/decode_threads.py", "--smoke", "--threads", "1,2", "--out",
+                           str(out)], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "decode_threads" and res["smoke"]
+    assert {(r["conditioned"], r["threads"]) for r in res["rows"]} == {(c, t) for c in (False, True) for t in (1, 2)}
+    assert all(r["elements_per_s"] > 0 for r in res["rows"])
