@@ -17,7 +17,9 @@ def run_shaped(script: str, argv: list[str], mbit: int, log, refuse: str) -> int
     if os.geteuid() != 0:
         raise SystemExit(refuse)
     ns = f"nemo-dcr-{os.path.basename(script).split('.')[0]}-{os.getpid()}"
-    burst = max(64 * 1024, int(mbit * 1e6 / 8 / 250))  # at least one timer tick of data
+    # At least one timer tick of data, and a few of the loopback's 64 KiB packets: tbf drops
+    # a packet larger than its burst, which stalls TCP on slow links.
+    burst = max(256 * 1024, int(mbit * 1e6 / 8 / 250))
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
         subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
