@@ -123,3 +123,10 @@ def test_thread_counts_are_checked(bad):
 def test_default_threads_is_the_cores_at_most_eight():
     assert 1 <= scatter.default_threads() <= 8
     assert scatter.resolve_threads(None) == scatter.default_threads()
+
+
+def test_processes_sharing_the_cores_get_their_part(monkeypatch):
+    monkeypatch.setattr(scatter.os, "sched_getaffinity", lambda pid: set(range(96)))
+    assert scatter.default_threads() == 8  # at most eight
+    assert scatter.default_threads(8) == 8 and scatter.default_threads(16) == 6 and scatter.default_threads(96) == 1
+    assert scatter.default_threads(500) == 1 and scatter.default_threads(0) == 8

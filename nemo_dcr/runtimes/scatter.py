@@ -63,13 +63,15 @@ def _only_idle_cores() -> None:
             pass  # no per-thread priorities here: the helpers run at the caller's
 
 
-def default_threads() -> int:
-    """The cores this process may run on, at most 8 (past a few the memory system is the bound)."""
+def default_threads(sharers: int = 1) -> int:
+    """The cores this process may run on, divided among `sharers` processes that run at
+    the same time (a tensor-parallel engine's workers on one host), at least 1 and at most
+    8 (past a few the memory system is the bound)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    return max(1, min(cores // max(1, sharers), 8))
 
 
 def resolve_threads(threads: int | None, what: str = "apply threads") -> int:

@@ -86,6 +86,7 @@ class InPlaceReceiver:
     def __init__(self, settings: DCRRefitConfig, receiver_id: str, transport, model: torch.nn.Module,
                  model_name: str, *, tensor_parallel: int = 1, holds_checkpoint: bool = False):
         from nemo_dcr.receiver import Receiver
+        from nemo_dcr.runtimes.scatter import default_threads
         from nemo_dcr.runtimes.vllm import VLLMRuntime
 
         self.settings, self.id = settings, receiver_id
@@ -103,8 +104,10 @@ class InPlaceReceiver:
             self.mirror = CanonicalMirror.from_checkpoint(checkpoint, names=runtime.catalog())
             log.info("[%s] canonical mirror of %d tensors from %s for conditioned coding: %.1f MiB of host memory",
                      receiver_id, len(self.mirror), checkpoint, self.mirror.nbytes / 2**20)
+        # Every TP worker decodes every record: the host's cores are shared among them.
         self.receiver = Receiver(receiver_id, runtime, self.end, key=settings.key(),
-                                 state_digest=settings.state_digest, log=log.info, mirror=self.mirror)
+                                 state_digest=settings.state_digest, log=log.info, mirror=self.mirror,
+                                 decode_threads=default_threads(tensor_parallel))
         self.last: dict = {}
 
     def update(self) -> bool:

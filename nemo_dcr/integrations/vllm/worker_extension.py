@@ -58,6 +58,7 @@ class DCRWorkerExtension:
         from nemo_dcr import registry
         from nemo_dcr.history import open_history
         from nemo_dcr.receiver import Receiver
+        from nemo_dcr.runtimes.scatter import default_threads
 
         t = time.perf_counter()
         if getattr(self, "_dcr_thread", None) is not None:
@@ -87,7 +88,8 @@ class DCRWorkerExtension:
             key = value.encode()
         wiring = registry.transport(transport, dict(transport_config))
         self._dcr_receiver = Receiver(rid, runtime, wiring.receiver(rid), version=version, key=key,
-                                      history=open_history(history, wiring), mirror=mirror)
+                                      history=open_history(history, wiring), mirror=mirror,
+                                      decode_threads=default_threads(tp))  # the TP workers share the cores
         if mirror is not None:
             _log.info("nemo-dcr: receiver %s keeps a canonical mirror of %d tensors from %s for conditioned "
                       "coding: %.1f MiB of host memory", rid, len(mirror), checkpoint_dir,
