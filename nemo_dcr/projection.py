@@ -167,7 +167,7 @@ class Cluster:
     receiver_host_memory_gb_per_node: float = 2048.0  # host memory (DGX H100: 2 TB)
     # Decode on several threads per receiver (Receiver(decode_threads=)): throughput per
     # thread over one thread's, measured at 2 threads on 2 cores, conditioned records
-    # (benchmarks/decode_threads.py: 0.80-0.91); assumed to hold at a node's share per GPU.
+    # (benchmarks/results/decode_threads.json: 0.78-0.81); assumed to hold at 12 threads.
     decode_thread_efficiency: float = 0.8
     cross_gbps: float = PAPER_LINK_GBPS  # aggregate across regions (default: the paper's links)
     intra_gbps: float = 100.0  # per node, inside the receiver region
