@@ -23,8 +23,9 @@ Model (every byte counted once; payloads stream while deltas are built, so stage
 * fan-out (relay tree, inside the receiver region): every receiver node needs the part
   of W its shard holds (W / nodes per replica); a relay forwards it to `fanout`
   children at `intra_gbps`; the tree is ceil(log_fanout(replicas)) deep.
-* apply: each receiver node decodes and applies its share at the measured per-core
-  throughput × cores.
+* apply: every worker of a receiver node (one per GPU, tensor parallel) decodes the
+  node's whole share and applies its part, on its share of the node's cores (threads ×
+  the measured per-core throughput × a per-thread efficiency).
 * total ≈ the slowest stage + pipeline fill (one chunk through every stage) + a commit
   round trip; the serial sum is printed beside it as the no-overlap bound.
 * dense reference: D over the same cross-region links.
