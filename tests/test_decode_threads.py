@@ -3,6 +3,9 @@ names the same record, as one thread gives."""
 
 from __future__ import annotations
 
+import gc
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -69,3 +72,26 @@ def test_a_receiver_decodes_on_the_cores_it_may_use_unless_told():
     assert Receiver("rx", TensorStoreRuntime(served), None, decode_threads=3).decode_threads == 3
     with pytest.raises(ValueError, match="decode_threads must be a positive integer"):
         Receiver("rx", TensorStoreRuntime(served), None, decode_threads=0)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_rejected_payload_lets_go_of_its_buffer_at_once(tmp_path, threads):
+    """The local transport unmaps a payload when it is released: a rejection on pool
+    threads must leave nothing (no reference cycle until a garbage collection) holding it."""
+    data, olds = mixed_payload()
+    path = tmp_path / "payload"
+    path.write_bytes(data)
+    gc.disable()
+    try:
+        for baselines in (None, Bits(**olds)):  # rejected (no baselines), then accepted
+            with open(path, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            view = memoryview(mm)
+            try:
+                codec.decode(view, baselines=baselines, threads=threads)
+            except PayloadRejected as e:
+                assert baselines is None and "does not hold" in e.reason
+            view.release()
+            mm.close()  # BufferError if anything still holds the buffer
+    finally:
+        gc.enable()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
@@ -496,8 +496,8 @@ def _decode_records(metas: list[RecordMeta], body: memoryview, baselines: condit
                     threads: int) -> list[Record]:
     """The records of `metas`, in order; on `threads` threads of a shared pool where there
     are several. A failure is raised for the first failing record in order, as one
-    thread would raise it (later records may have been decoded meanwhile: nothing is
-    written by decoding)."""
+    thread would raise it, after every thread has let go of `body` (later records may
+    have been decoded meanwhile: nothing is written by decoding)."""
     if threads == 1 or len(metas) < 2:
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         return [_decode_record(m, body, dctx, baselines) for m in metas]
@@ -506,11 +506,19 @@ def _decode_records(metas: list[RecordMeta], body: memoryview, baselines: condit
         if pool is None:
             pool = _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="nemo-dcr-decode")
     futures = [pool.submit(_decode_record_here, m, body, baselines) for m in metas]
+    records = []
     try:
-        return [f.result() for f in futures]
+        for f in futures:  # a loop, not a comprehension: see below
+            records.append(f.result())
     finally:
         for f in futures:
-            f.cancel()  # after a failure: records not started yet are not decoded
+            f.cancel()  # after a failure: records not started yet are not decoded,
+        wait(futures)  # and those running are waited for: nothing may read `body` after this
+        # A failure's traceback holds this frame; the futures hold the failures (whose frames
+        # hold `body`): with both here, a reference cycle would keep the caller's buffer
+        # exported until a garbage collection (a transport unmaps it on release).
+        del f, futures
+    return records
 
 
 def _decode_record_here(m: RecordMeta, body: memoryview, baselines: conditioned.BaselineSource | None) -> Record:
