@@ -353,7 +353,7 @@ def main(argv=None) -> int:
                         "at most 8)")
     r.add_argument("--decode-threads", type=_positive_int, default=None,
                    help="threads that decode a payload's records when it is staged (default: the cores this "
-                        "process may use, at most 8)")
+                        "process may use)")
     r.add_argument("--rescan", action="store_true",
                    help="read the whole-state digest from the model again at every begin (O(model)), so that "
                         "bits changed outside refits are caught there")

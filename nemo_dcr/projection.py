@@ -43,6 +43,7 @@ import torch
 
 from nemo_dcr.diff import diff
 from nemo_dcr.records import Op, Payload, PayloadHeader, Record
+from nemo_dcr.runtimes.scatter import share_of_cores
 from nemo_dcr.wire import codec
 from nemo_dcr.wire.values import choose_op_from_add
 
@@ -191,8 +192,9 @@ class Cluster:
 
     @property
     def decode_threads(self) -> int:
-        """Each receiver worker's decode threads: its GPU's share of the node's cores."""
-        return max(1, self.receiver_cores_per_node // self.receiver_gpus_per_node)
+        """Each receiver worker's decode threads, as a vLLM worker picks them: its GPU's
+        share of the node's cores (`runtimes.scatter.default_threads(tp, cap=None)`)."""
+        return share_of_cores(self.receiver_cores_per_node, self.receiver_gpus_per_node, cap=None)
 
 
 @dataclass

@@ -129,15 +129,15 @@ class Receiver:
         records, naming the tensor.
 
         `decode_threads`: a payload's records are decoded on up to this many threads when
-        it is staged (None: the cores this process may use, at most 8). Several receivers
-        on one host (one per GPU) share its cores: give each its part."""
+        it is staged (None: the cores this process may use). Several receivers on one host
+        (one per GPU) share its cores: give each its part."""
         self.id, self.runtime, self.end = receiver_id, runtime, end
         self.mirror = mirror
         self.baselines = CommittedBits(runtime, mirror)  # what conditioned records decode against
         self.serving_version = version
         self.key, self.limits = key, limits or codec.DecodeLimits()
         self.max_staged_bytes = max_staged_bytes
-        self.decode_threads = resolve_threads(decode_threads, "decode_threads")
+        self.decode_threads = resolve_threads(decode_threads, "decode_threads", cap=None)
         # A runtime may hold a subset of the model (one Megatron-inference rank): payloads
         # are validated against the whole `canonical_catalog` (names outside it are still
         # rejected) and only records of tensors in `runtime.catalog()` (`held`) are applied.

@@ -68,7 +68,7 @@ def test_threads_must_be_a_positive_int(bad):
 
 def test_a_receiver_decodes_on_the_cores_it_may_use_unless_told():
     served = {"w": torch.zeros(4)}
-    assert Receiver("rx", TensorStoreRuntime(served), None).decode_threads == scatter.default_threads()
+    assert Receiver("rx", TensorStoreRuntime(served), None).decode_threads == scatter.default_threads(cap=None)
     assert Receiver("rx", TensorStoreRuntime(served), None, decode_threads=3).decode_threads == 3
     with pytest.raises(ValueError, match="decode_threads must be a positive integer"):
         Receiver("rx", TensorStoreRuntime(served), None, decode_threads=0)

@@ -130,3 +130,4 @@ def test_processes_sharing_the_cores_get_their_part(monkeypatch):
     assert scatter.default_threads() == 8  # at most eight
     assert scatter.default_threads(8) == 8 and scatter.default_threads(16) == 6 and scatter.default_threads(96) == 1
     assert scatter.default_threads(500) == 1 and scatter.default_threads(0) == 8
+    assert scatter.default_threads(cap=None) == 96 and scatter.default_threads(8, cap=None) == 12  # decoding

@@ -63,21 +63,30 @@ def _only_idle_cores() -> None:
             pass  # no per-thread priorities here: the helpers run at the caller's
 
 
-def default_threads(sharers: int = 1) -> int:
-    """The cores this process may run on, divided among `sharers` processes that run at
-    the same time (a tensor-parallel engine's workers on one host), at least 1 and at most
-    8 (past a few the memory system is the bound)."""
+APPLY_THREADS_CAP = 8  # the scatter is memory-bound: past a few threads the memory system is the bound
+
+
+def share_of_cores(cores: int, sharers: int = 1, cap: int | None = APPLY_THREADS_CAP) -> int:
+    """`cores` divided among `sharers` processes that run at the same time (a
+    tensor-parallel engine's workers on one host), at least 1 and at most `cap` (None:
+    no cap; decoding is compute-bound)."""
+    share = max(1, cores // max(1, sharers))
+    return share if cap is None else min(share, cap)
+
+
+def default_threads(sharers: int = 1, cap: int | None = APPLY_THREADS_CAP) -> int:
+    """`share_of_cores` of the cores this process may run on."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(cores // max(1, sharers), 8))
+    return share_of_cores(cores, sharers, cap)
 
 
-def resolve_threads(threads: int | None, what: str = "apply threads") -> int:
-    """`threads`, checked, or `default_threads()` for None; `what` names it in the error."""
+def resolve_threads(threads: int | None, what: str = "apply threads", cap: int | None = APPLY_THREADS_CAP) -> int:
+    """`threads`, checked, or `default_threads(cap=cap)` for None; `what` names it in the error."""
     if threads is None:
-        return default_threads()
+        return default_threads(cap=cap)
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise ValueError(f"{what} must be a positive integer or None (the cores), got {threads!r}")
     return threads

@@ -107,7 +107,7 @@ class InPlaceReceiver:
         # Every TP worker decodes every record: the host's cores are shared among them.
         self.receiver = Receiver(receiver_id, runtime, self.end, key=settings.key(),
                                  state_digest=settings.state_digest, log=log.info, mirror=self.mirror,
-                                 decode_threads=default_threads(tensor_parallel))
+                                 decode_threads=default_threads(tensor_parallel, cap=None))
         self.last: dict = {}
 
     def update(self) -> bool:

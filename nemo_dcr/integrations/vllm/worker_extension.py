@@ -89,7 +89,7 @@ class DCRWorkerExtension:
         wiring = registry.transport(transport, dict(transport_config))
         self._dcr_receiver = Receiver(rid, runtime, wiring.receiver(rid), version=version, key=key,
                                       history=open_history(history, wiring), mirror=mirror,
-                                      decode_threads=default_threads(tp))  # the TP workers share the cores
+                                      decode_threads=default_threads(tp, cap=None))  # the TP workers share the cores
         if mirror is not None:
             _log.info("nemo-dcr: receiver %s keeps a canonical mirror of %d tensors from %s for conditioned "
                       "coding: %.1f MiB of host memory", rid, len(mirror), checkpoint_dir,
