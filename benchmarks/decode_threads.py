@@ -31,17 +31,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
 from nemo_dcr.records import BaseSpan, Op, Payload, PayloadHeader, Record  # noqa: E402
 from nemo_dcr.wire import codec  # noqa: E402
-
-
-class Bits:
-    """The receiver's committed bits, by tensor name (codec's BaselineSource)."""
-
-    def __init__(self, arrays: dict):
-        self.arrays = arrays
-
-    def bits(self, name, lo, hi):
-        a = self.arrays.get(name)
-        return None if a is None else a[lo:hi]
+from nemo_dcr.wire.conditioned import BitsByName  # noqa: E402
 
 
 def lr_for(old: torch.Tensor, rate: float) -> float:
@@ -94,12 +84,12 @@ def main(argv=None) -> int:
             if cond and b"gaps_conditioned" not in codec.header_text(data).encode():
                 raise SystemExit("the encoder kept the plain coding: no conditioned record to measure")
             universe = args.tensors * args.elements
-            reference = codec.decode(data, baselines=Bits(olds)).records
+            reference = codec.decode(data, baselines=BitsByName(olds)).records
             times = {t: [] for t in threads}
             for _ in range(args.repeats):
                 for t in threads:  # alternated, so that drift on a shared host hits every count alike
                     t0 = time.perf_counter()
-                    got = codec.decode(data, baselines=Bits(olds), threads=t).records
+                    got = codec.decode(data, baselines=BitsByName(olds), threads=t).records
                     times[t].append(time.perf_counter() - t0)
                     if not all(np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values)
                                for a, b in zip(reference, got)):

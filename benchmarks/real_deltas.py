@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.outputs import results_path  # noqa: E402
 from nemo_dcr.records import BaseSpan, Op, Payload, PayloadHeader, Record  # noqa: E402
-from nemo_dcr.wire import codec  # noqa: E402
+from nemo_dcr.wire import codec, conditioned  # noqa: E402
 from nemo_dcr.wire.values import choose_op_from_add  # noqa: E402
 
 HDR = PayloadHeader("bench", 0, 1, "p0", "p0-0")
@@ -280,17 +280,6 @@ def record(name: str, n: int, op: Op, pos: np.ndarray, vals: np.ndarray, base: B
     return Record(name, "BF16", (n,), op, pos.view(np.uint64), vals, base=base)
 
 
-class OldBits:
-    """The receiver's committed bits (the old BF16 bits by name), for conditioned records."""
-
-    def __init__(self, olds: dict[str, np.ndarray]):
-        self.olds = olds
-
-    def bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
-        old = self.olds.get(name)
-        return None if old is None else old[lo:hi]
-
-
 def apply_bits(old: np.ndarray, op: Op, pos: np.ndarray, vals: np.ndarray) -> np.ndarray:
     out = old.copy()
     idx = pos.astype(np.int64, copy=False)
@@ -306,7 +295,7 @@ def encode_exact(records: list[Record], olds: list[np.ndarray], news: list[np.nd
     t = time.perf_counter()
     data = codec.encode(Payload(HDR, records))
     t1 = time.perf_counter()
-    back = codec.decode(data, baselines=OldBits({r.name: o for r, o in zip(records, olds)})).records
+    back = codec.decode(data, baselines=conditioned.BitsByName({r.name: o for r, o in zip(records, olds)})).records
     if timed is not None:
         timed.update(data=data, encode_s=t1 - t, decode_s=time.perf_counter() - t1)
     for want, got, old, new in zip(records, back, olds, news, strict=True):

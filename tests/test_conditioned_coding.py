@@ -22,13 +22,9 @@ from nemo_dcr.wire import codec, conditioned
 HDR = PayloadHeader("t", 0, 1, "p0", "p0-000000")
 
 
-class Bits:
-    def __init__(self, **arrays):
-        self.arrays = arrays
-
-    def bits(self, name, lo, hi):
-        a = self.arrays.get(name)
-        return None if a is None else a[lo:hi]
+def held_bits(**arrays):
+    """The committed bits a receiver holds, by tensor name."""
+    return conditioned.BitsByName(arrays)
 
 
 def adam_like(n: int, rate_lr: float, seed: int, dtype=torch.bfloat16):
@@ -64,7 +60,7 @@ def test_conditioned_records_round_trip_and_code_smaller(op, dtype):
     plain = codec.encode(Payload(HDR, [Record("w", dtype, (512, 512), op, pos, vals)]))
     data = codec.encode(Payload(HDR, [Record("w", dtype, (512, 512), op, pos, vals, base=BaseSpan(0, old))]))
     assert '"gaps_conditioned"' in codec.header_text(data) and len(data) < 0.9 * len(plain)
-    rec = codec.decode(data, baselines=Bits(w=old)).records[0]
+    rec = codec.decode(data, baselines=held_bits(w=old)).records[0]
     assert np.array_equal(apply(old, op, rec.positions, rec.values.view(np.uint16)), new)
 
 
@@ -102,7 +98,7 @@ def test_without_the_baseline_the_record_is_refused_naming_it():
     with pytest.raises(PayloadRejected, match=r"committed bits of w\[0:65536\].*does not hold"):
         codec.decode(data)
     with pytest.raises(PayloadRejected, match="does not hold"):
-        codec.decode(data, baselines=Bits())
+        codec.decode(data, baselines=held_bits())
 
 
 def test_against_other_bits_the_record_is_refused_before_decoding():
@@ -110,7 +106,7 @@ def test_against_other_bits_the_record_is_refused_before_decoding():
     other = old.copy()
     other[12345] ^= 1  # one bit of one element
     with pytest.raises(PayloadRejected, match="baseline digest differs"):
-        codec.decode(data, baselines=Bits(w=other))
+        codec.decode(data, baselines=held_bits(w=other))
 
 
 def test_a_receiver_holding_other_tensors_skips_the_record():
@@ -129,7 +125,7 @@ def test_the_baseline_field_comes_only_with_conditioned_records():
             (data, lambda r: r["baseline"].update(xxh3="XYZ"), "16 lowercase hex"),
             (data, lambda r: r.update(op="overwrite"), "xor or add")):
         with pytest.raises(PayloadRejected, match=why):
-            codec.decode(_edit_header(payload, edit), baselines=Bits(w=old))
+            codec.decode(_edit_header(payload, edit), baselines=held_bits(w=old))
 
 
 def _edit_header(data: bytes, edit) -> bytes:
@@ -152,7 +148,7 @@ def test_corrupt_sections_are_refused_cleanly():
         for i in rng.integers(0, len(b), 3):
             b[i] ^= 1 << int(rng.integers(0, 8))
         try:
-            rec = codec.decode(_seal(version, flags, header, bytes(b), None), baselines=Bits(w=old)).records[0]
+            rec = codec.decode(_seal(version, flags, header, bytes(b), None), baselines=held_bits(w=old)).records[0]
         except PayloadRejected:
             refused += 1
             continue

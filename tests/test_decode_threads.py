@@ -17,7 +17,7 @@ from nemo_dcr.runtimes import scatter
 from nemo_dcr.runtimes.store import TensorStoreRuntime
 from nemo_dcr.wire import codec
 
-from .test_conditioned_coding import Bits, adam_like, changes
+from .test_conditioned_coding import adam_like, changes, held_bits
 
 HDR = PayloadHeader("t", 0, 1, "p0", "p0-000000")
 
@@ -41,8 +41,8 @@ def mixed_payload(n=1 << 15, tensors=6):
 def test_records_decoded_on_threads_equal_one_thread(threads):
     data, olds = mixed_payload()
     assert '"gaps_conditioned"' in codec.header_text(data)
-    one = codec.decode(data, baselines=Bits(**olds)).records
-    many = codec.decode(data, baselines=Bits(**olds), threads=threads).records
+    one = codec.decode(data, baselines=held_bits(**olds)).records
+    many = codec.decode(data, baselines=held_bits(**olds), threads=threads).records
     assert [r.name for r in many] == [r.name for r in one] == [f"w{i}" for i in range(6)]
     for a, b in zip(one, many):
         assert a.op == b.op and np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values)
@@ -56,14 +56,14 @@ def test_a_rejection_names_the_first_bad_record_in_order():
         wrong[name][7] ^= 1
     for threads in (1, 4):
         with pytest.raises(PayloadRejected, match=r"record 'w0'.*baseline digest differs"):
-            codec.decode(data, baselines=Bits(**wrong), threads=threads)
+            codec.decode(data, baselines=held_bits(**wrong), threads=threads)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2", None])
 def test_threads_must_be_a_positive_int(bad):
     data, olds = mixed_payload(n=4096, tensors=2)
     with pytest.raises(ValueError, match="threads must be an int >= 1"):
-        codec.decode(data, baselines=Bits(**olds), threads=bad)
+        codec.decode(data, baselines=held_bits(**olds), threads=bad)
 
 
 def test_a_receiver_decodes_on_the_cores_it_may_use_unless_told():
@@ -83,7 +83,7 @@ def test_a_rejected_payload_lets_go_of_its_buffer_at_once(tmp_path, threads):
     path.write_bytes(data)
     gc.disable()
     try:
-        for baselines in (None, Bits(**olds)):  # rejected (no baselines), then accepted
+        for baselines in (None, held_bits(**olds)):  # rejected (no baselines), then accepted
             with open(path, "rb") as fh:
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             view = memoryview(mm)

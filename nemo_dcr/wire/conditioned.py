@@ -23,7 +23,7 @@ codec picks this encoding per record when it is smaller than the unconditioned o
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import Mapping, NamedTuple, Protocol
 import numpy as np
 import xxhash
 
@@ -48,6 +48,18 @@ class BaselineSource(Protocol):
     def bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
         """Canonical tensor `name`'s committed bits at flat positions lo .. hi (unsigned
         integers of its width), or None when this receiver does not hold them."""
+
+
+class BitsByName:
+    """A BaselineSource over arrays held by name: each tensor's whole old bits, flat (an
+    offline decode, a benchmark, a test)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]):
+        self.arrays = arrays
+
+    def bits(self, name: str, lo: int, hi: int) -> np.ndarray | None:
+        a = self.arrays.get(name)
+        return None if a is None else a[lo:hi]
 
 
 def baseline_digest(bits: np.ndarray) -> str:
