@@ -427,7 +427,9 @@ def test_bad_magic_version_flags():
     _, header, secs = split(data)
     reject(rejoin(header, secs, version=1), "unsupported format version 1")
     _, header, secs = split(data)
-    reject(rejoin(header, secs, flags=0x0004), "unknown flag bits")
+    reject(rejoin(header, secs, flags=0x0008), "unknown flag bits")
+    _, header, secs = split(data)
+    reject(rejoin(header, secs, flags=0x0004), "flag bit 2 (device checksum) is only valid in format 6")
 
 
 @pytest.mark.parametrize("cut", [0, 3, 4, 11, 12, 40, -200, -17, -16, -1])

@@ -35,7 +35,7 @@ from ..records import BaseSpan, Op, Payload, PayloadHeader, Record
 from . import conditioned, prefix
 from .errors import Malformed, PositionsError
 from .frame import FRAME_HEAD_BYTES, MAX_WINDOW, bytes_view, check_trailer, header_json, key_bytes, \
-    parse_frame_head, seal, section_bytes, sniff
+    parse_frame_head, seal, seal_on_device, section_bytes, sniff
 from .gaps import GapsParts, GapsReader, encode_gaps_rans, gaps_parts
 from .header import BASELINE, CONDITIONED, JOINT, PREFIX_CODED, STORED, DecodeLimits, Expected, RecordMeta, \
     check_catalog, check_expected, check_identity, numel_of, parse_header
@@ -74,7 +74,7 @@ class _Rejecting:
 
 
 def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense: str = "auto",
-           version: int = FORMAT_VERSION) -> bytes:
+           version: int = FORMAT_VERSION, on_device: torch.device | str | None = None) -> bytes | torch.Tensor:
     """Serialize `payload` (format v5, or `version` 6). Raises ValueError on an invalid payload.
 
     key: HMAC-SHA256 key; when given the payload is signed (flag bit 0).
@@ -87,12 +87,21 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
            prefix codes (`gaps_prefix` / `symbols_prefix`, nemo_dcr.wire.prefix: a GPU codes
            them itself); the rest as version 5 codes them. With 5, tensors are copied to
            the host and coded there.
+    on_device: (version 6, no key) the payload is returned as a 1-D uint8 tensor on this
+           device, sealed there with the device checksum (flag bit 2): the device-coded
+           sections never reach the host (the local transport hands such a payload to
+           receivers by CUDA IPC). The same bytes as the host's frame but for the flag and
+           the trailer.
     """
     if dense not in ("auto", "never", "always"):
         raise ValueError(f"dense must be 'auto', 'never' or 'always', got {dense!r}")
     if version not in WRITABLE_VERSIONS:
         raise ValueError(f"version must be {writable_versions_text()} (the versions this encoder writes), "
                          f"got {version!r}")
+    if on_device is not None and (version != DEVICE_FORMAT or key is not None):
+        raise ValueError(f"on_device needs version {DEVICE_FORMAT} and no key (the device checksum stands for "
+                         f"XXH3, and an HMAC needs the bytes on the host), got version {version}"
+                         f"{' and a key' if key is not None else ''}")
     h = payload.header
     check_identity(h, ValueError)
     if h.target_version == h.base_version and any(Op(r.op) is not Op.OVERWRITE for r in payload.records):
@@ -177,6 +186,8 @@ def encode(payload: Payload, *, key: bytes | None = None, level: int = 1, dense:
               "records": metas}
     hbytes = json.dumps(header, sort_keys=True, separators=(",", ":"),
                         ensure_ascii=False).encode("utf-8")
+    if on_device is not None:
+        return seal_on_device(version, hbytes, sections, torch.device(on_device))
     return seal(version, hbytes, sections, key)
 
 

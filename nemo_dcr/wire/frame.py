@@ -5,13 +5,15 @@ sections, the checksum and HMAC trailer. All integers little-endian:
     0               4      magic b"NDCR"
     4               2      u16 format version: 5 (the host format) or 6 (the device format)
     6               2      u16 flags; bit 0 = HMAC present, bit 1 = header zstd-compressed,
+                           bit 2 = device checksum (version 6 only, never with bit 0),
                            other bits must be 0
     8               4      u32 header length H (as it is on the wire)
     12              H      header: JSON, UTF-8, sorted keys, no whitespace (`header`); with
                            flag bit 1, one zstd frame of it that declares its content size
     12+H            B      body: sections, back to back, in record order
                            (each record: positions section, then values section)
-    12+H+B          16     XXH3-128 of bytes [0, 12+H+B), xxh3_128_digest (big-endian)
+    12+H+B          16     XXH3-128 of bytes [0, 12+H+B), xxh3_128_digest (big-endian);
+                           with flag bit 2, the device checksum of them (`device_checksum`)
     12+H+B+16       32     HMAC-SHA256 of bytes [0, 12+H+B+16)   (only if flag bit 0)
 
 The first 12 bytes are the frame head; B is `body_bytes` in the header. Each non-empty
@@ -26,8 +28,10 @@ import hashlib
 import hmac
 import json
 import struct
+import warnings
 from typing import Any
 
+import torch
 import xxhash
 import zstandard
 
@@ -40,7 +44,9 @@ from .versions import READABLE_VERSIONS, readable_versions_text
 MAGIC = b"NDCR"
 FLAG_HMAC = 0x0001
 FLAG_HEADER_ZSTD = 0x0002
-FLAGS = FLAG_HMAC | FLAG_HEADER_ZSTD
+FLAG_DEVICE_CHECKSUM = 0x0004
+FLAGS = FLAG_HMAC | FLAG_HEADER_ZSTD | FLAG_DEVICE_CHECKSUM
+DEVICE_CHECKSUM_VERSION = 6  # the only format version whose frames may carry flag bit 2
 # Headers of at least this many bytes are sent zstd-compressed when that is smaller: a
 # payload of many records repeats every record's keys (~250 bytes a record as JSON).
 HEADER_ZSTD_MIN = 1024
@@ -66,6 +72,40 @@ def checksum(*parts: Any) -> bytes:
     return h.digest()
 
 
+# The device checksum: four sums modulo the prime 2**31 - 1 of the frame's little-endian
+# 16-bit words w_1..w_n (an odd last byte is a word of its own), weighted by i**0..i**3:
+# integer arithmetic a GPU does with torch ops, where XXH3 has no device implementation.
+DEVICE_CHECKSUM_PRIME = (1 << 31) - 1
+_DEVICE_CHECKSUM_CHUNK = 1 << 22  # words per pass: bounds the int64 temporaries
+
+
+def device_checksum(data: torch.Tensor) -> bytes:
+    """The device checksum (flag bit 2) of a 1-D uint8 tensor on any device; CHECKSUM_BYTES
+    long: the four sums as u32, little-endian. Like XXH3 here, an integrity check only: a
+    changed 16-bit word always changes the first sum (its change is below the prime), and
+    the weighted sums catch words moved or swapped."""
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError(f"device_checksum takes a 1-D uint8 tensor, got {data.dtype} of shape {tuple(data.shape)}")
+    n = data.numel()
+    words = data[:n - n % 2].view(torch.int16)
+    p = DEVICE_CHECKSUM_PRIME
+    sums = torch.zeros(4, dtype=torch.int64, device=data.device)
+    for at in range(0, words.numel(), _DEVICE_CHECKSUM_CHUNK):
+        w = words[at:at + _DEVICE_CHECKSUM_CHUNK].to(torch.int64) & 0xFFFF
+        sums += _weighted_sums(w, at + 1, p)
+    if n % 2:
+        sums += _weighted_sums(data[n - 1:].to(torch.int64), n // 2 + 1, p)
+    return (sums % p).to(torch.int32).cpu().numpy().astype("<u4").tobytes()
+
+
+def _weighted_sums(w: torch.Tensor, first: int, p: int) -> torch.Tensor:
+    """sum(w_i * i**k mod p) for k = 0..3, i = first, first+1, ... (each term < 2**31:
+    no int64 sum of a chunk overflows)."""
+    i = torch.arange(first, first + w.numel(), dtype=torch.int64, device=w.device) % p
+    i2 = i * i % p
+    return torch.stack([w.sum(), (w * i % p).sum(), (w * i2 % p).sum(), (w * (i2 * i % p) % p).sum()]) % p
+
+
 def key_bytes(key: bytes) -> bytes:
     k = bytes(key)
     if not k:
@@ -74,15 +114,13 @@ def key_bytes(key: bytes) -> bytes:
 
 
 def seal(version: int, hbytes: bytes, sections: list, key: bytes | None) -> bytes:
-    """The payload: frame head, header, sections (bytes-like chunks, in order), checksum
-    and, with a key, the HMAC (flag bit 0). A long header goes compressed (flag bit 1)."""
+    """The payload: frame head, header, sections (chunks in order: bytes-like, or uint8
+    tensors, copied to the host here), checksum and, with a key, the HMAC (flag bit 0). A
+    long header goes compressed (flag bit 1)."""
     flags = FLAG_HMAC if key is not None else 0
-    if len(hbytes) >= HEADER_ZSTD_MIN:
-        packed = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(hbytes)
-        if len(packed) < len(hbytes):
-            hbytes, flags = packed, flags | FLAG_HEADER_ZSTD
+    head, hbytes = _head(version, flags, hbytes)
     # Checksum and HMAC over the parts as they are, then one join: no whole-payload copies.
-    parts = [FRAME_HEAD.pack(MAGIC, version, flags, len(hbytes)), hbytes, *sections]
+    parts = [head, hbytes, *(c.cpu().numpy() if isinstance(c, torch.Tensor) else c for c in sections)]
     parts.append(checksum(*parts))
     if key is not None:
         mac = hmac.new(key_bytes(key), digestmod=hashlib.sha256)
@@ -92,11 +130,60 @@ def seal(version: int, hbytes: bytes, sections: list, key: bytes | None) -> byte
     return b"".join(parts)
 
 
+def seal_on_device(version: int, hbytes: bytes, sections: list, device: torch.device) -> torch.Tensor:
+    """The payload as `seal` lays it out, built on `device` as one uint8 tensor: the
+    sections' tensor chunks are copied there device to device, the rest (frame head,
+    header, the small tables of the sections) uploaded, each run of them in one copy. The
+    trailer is the device checksum (flag bit 2), computed there; such a frame is never
+    signed (an HMAC needs the bytes on the host)."""
+    if version != DEVICE_CHECKSUM_VERSION:
+        raise ValueError(f"a payload sealed on a device is format {DEVICE_CHECKSUM_VERSION}, got version {version}")
+    head, hbytes = _head(version, FLAG_DEVICE_CHECKSUM, hbytes)
+    runs: list = [[head, hbytes]]  # host chunks joined into runs, tensors as they are
+    for c in sections:
+        if isinstance(c, torch.Tensor):
+            runs.append(c)
+        elif isinstance(runs[-1], list):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    sizes = [r.numel() if isinstance(r, torch.Tensor) else sum(memoryview(c).nbytes for c in r) for r in runs]
+    body_end = sum(sizes)
+    out = torch.empty(body_end + CHECKSUM_BYTES, dtype=torch.uint8, device=device)
+    at = 0
+    for r, size in zip(runs, sizes):
+        if size:
+            if isinstance(r, torch.Tensor):
+                out[at:at + size].copy_(r.view(torch.uint8).reshape(-1))
+            else:
+                out[at:at + size].copy_(torch.frombuffer(bytearray(b"".join(r)), dtype=torch.uint8))
+        at += size
+    trailer = device_checksum(out[:body_end])
+    out[body_end:].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+    return out
+
+
+def _head(version: int, flags: int, hbytes: bytes) -> tuple[bytes, bytes]:
+    """(frame head, header as sent): a long header goes zstd-compressed (flag bit 1) when
+    that is smaller."""
+    if len(hbytes) >= HEADER_ZSTD_MIN:
+        packed = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(hbytes)
+        if len(packed) < len(hbytes):
+            hbytes, flags = packed, flags | FLAG_HEADER_ZSTD
+    return FRAME_HEAD.pack(MAGIC, version, flags, len(hbytes)), hbytes
+
+
 def check_trailer(mv: memoryview, end: int, flags: int, key: bytes | None) -> None:
-    """Malformed unless the checksum of bytes [0, end) matches, and, where a key is
-    configured (key_bytes(key)), the HMAC after it. A signed payload with no key to verify
-    it is refused too."""
-    if not hmac.compare_digest(checksum(mv[:end]), mv[end:end + CHECKSUM_BYTES]):
+    """Malformed unless the checksum of bytes [0, end) matches (XXH3-128, or with flag bit
+    2 the device checksum), and, where a key is configured (key_bytes(key)), the HMAC after
+    it. A signed payload with no key to verify it is refused too."""
+    if flags & FLAG_DEVICE_CHECKSUM:
+        with warnings.catch_warnings():  # read only: the tensor is never written
+            warnings.simplefilter("ignore", UserWarning)
+            got = device_checksum(torch.frombuffer(mv[:end], dtype=torch.uint8))
+        if not hmac.compare_digest(got, mv[end:end + CHECKSUM_BYTES]):
+            raise Malformed("checksum mismatch (device checksum): payload corrupt or truncated")
+    elif not hmac.compare_digest(checksum(mv[:end]), mv[end:end + CHECKSUM_BYTES]):
         raise Malformed("checksum mismatch (XXH3-128): payload corrupt or truncated")
     signed = bool(flags & FLAG_HMAC)
     if signed and key is None:
@@ -132,6 +219,9 @@ def parse_frame_head(mv: memoryview, limits: DecodeLimits) -> tuple[int, int, in
         raise Malformed(f"unsupported format version {version} (this decoder reads {readable_versions_text()})")
     if flags & ~FLAGS:
         raise Malformed(f"unknown flag bits 0x{flags & ~FLAGS:04x}")
+    if flags & FLAG_DEVICE_CHECKSUM and (version != DEVICE_CHECKSUM_VERSION or flags & FLAG_HMAC):
+        raise Malformed(f"flag bit 2 (device checksum) is only valid in format {DEVICE_CHECKSUM_VERSION} "
+                        f"and never with an HMAC (version {version}, flags 0x{flags:04x})")
     if hlen > limits.max_header_bytes:
         raise Malformed(f"header of {hlen} bytes exceeds limit max_header_bytes={limits.max_header_bytes}")
     trailer = CHECKSUM_BYTES + (HMAC_BYTES if flags & FLAG_HMAC else 0)

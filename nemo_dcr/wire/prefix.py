@@ -198,7 +198,8 @@ def value_counts(vals: torch.Tensor, width: int) -> tuple[np.ndarray, np.ndarray
 
 def encode_prefix(pos: torch.Tensor, vals: torch.Tensor, width: int, table: np.ndarray, escape: int
                   ) -> tuple[list, list]:
-    """(`gaps_prefix` section, `symbols_prefix` section) as chunks of the record whose
+    """(`gaps_prefix` section, `symbols_prefix` section) as chunks (bytes; the bit stream a
+    uint8 tensor on the record's device) of the record whose
     positions (int64, strictly increasing: see check_order) and value bits (width 1 or 2)
     are on one device; `table` (ascending, from value_counts) and `escape` (0/1) are the
     values' table, as `values.value_parts` chooses it."""
@@ -254,10 +255,10 @@ def encode_prefix(pos: torch.Tensor, vals: torch.Tensor, width: int, table: np.n
     if r:
         _put(words, low & 0xFFFFFFFF, torch.full_like(lq, min(r, 32)), at)
     stream = torch.stack([(words >> s) & 255 for s in (24, 16, 8, 0)], dim=1).to(torch.uint8).view(-1)
-    stream = stream[:nbytes].cpu().numpy()
+    stream = stream[:nbytes]  # stays on its device: the payload's frame takes it from there
 
     gsec = [leb128_encode(np.array([r, a1], _U64)).tobytes(), pack_lengths(qlen),
-            leb128_encode(lane_bytes.astype(_U64)).tobytes(), stream.tobytes()]
+            leb128_encode(lane_bytes.astype(_U64)).tobytes(), stream]
     if a1 == QUOTIENT_ALPHABET:
         hit = q == QUOTIENT_ALPHABET - 1
         excess = ((g[hit] >> r) - (QUOTIENT_ALPHABET - 1)).cpu().numpy()

@@ -70,8 +70,8 @@ def _quantize_general(counts: np.ndarray) -> np.ndarray:
 
 
 def chunks_size(chunks: list) -> int:
-    """Bytes in a list of chunks."""
-    return sum(memoryview(c).nbytes for c in chunks)
+    """Bytes in a list of chunks (bytes-like, or arrays and tensors: their nbytes)."""
+    return sum(c.nbytes if hasattr(c, "nbytes") else len(c) for c in chunks)
 
 
 def encode_rans(symbols: np.ndarray, counts: np.ndarray) -> bytes:
