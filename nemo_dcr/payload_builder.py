@@ -151,7 +151,7 @@ class PayloadBatch:
 class EncodedPayload(NamedTuple):
     """What `PayloadEncoder.encode` made of one batch."""
 
-    data: bytes | None  # None: a payload skipped (finished on every receiver), not encoded
+    data: bytes | np.ndarray | torch.Tensor | None  # None: skipped (finished on every receiver), not encoded
     digests: dict[str, str]  # each record's expected post-apply digest (read-back transfers)
     encode_s: float  # seconds making records and bytes
     digest_s: float  # seconds digesting
@@ -169,6 +169,7 @@ class PayloadEncoder:
     level: int
     wire_version: int
     skip: frozenset = frozenset()  # payload ids cut but not sent (finished on every receiver)
+    device: torch.device | None = None  # sealed there (`codec.encode(on_device=)`); None: host bytes
 
     def encode(self, batch: PayloadBatch, payload_id: str, arena: Arena) -> EncodedPayload:
         t = time.perf_counter()
@@ -177,7 +178,10 @@ class PayloadEncoder:
         if payload_id not in self.skip:
             tr = self.transfer
             header = PayloadHeader(tr.transfer_id, tr.base_version, tr.target_version, self.producer_id, payload_id)
-            data = codec.encode(Payload(header, records), key=self.key, level=self.level, version=self.wire_version)
+            data = codec.encode(Payload(header, records), key=self.key, level=self.level, version=self.wire_version,
+                                on_device=self.device)
+            if isinstance(data, torch.Tensor) and data.device.type == "cpu":
+                data = data.numpy()  # a frame sealed on the CPU travels as the host bytes it is
         return EncodedPayload(data, digests, time.perf_counter() - t - digest_s, digest_s)
 
 

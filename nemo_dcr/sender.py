@@ -33,7 +33,7 @@ from nemo_dcr.records import AUTO, Op, Payload, PayloadHeader, TransferInfo
 from nemo_dcr.scan import ScanTarget, chunk_step, scanner_for
 from nemo_dcr.transport import ProducerEnd
 from nemo_dcr.wire import codec
-from nemo_dcr.wire.versions import FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
+from nemo_dcr.wire.versions import DEVICE_FORMAT, FORMAT_VERSION, WRITABLE_VERSIONS, writable_versions_text
 
 
 @dataclass
@@ -100,6 +100,7 @@ class Producer:
         device_coding: str = "gpu",
         state_digest: bool = True,
         conditioned: bool = False,
+        device_payloads: bool = False,
     ):
         """`params`: whole local parameters by name, for the residuals this rank produces;
         by default taken from the owned ranges' live views (see `_whole_param`).
@@ -130,7 +131,12 @@ class Producer:
         `conditioned`: code records against the committed bits where that is smaller
         (nemo_dcr.wire.conditioned; BF16/FP16 xor or add records of chunks that sit on one
         canonical span). Every receiver must then read its committed canonical bits: in
-        place (a Hugging Face model, a tensor store) or from a canonical mirror (vLLM)."""
+        place (a Hugging Face model, a tensor store) or from a canonical mirror (vLLM).
+        `device_payloads` (wire_version 6, no key, a transport whose producer end carries
+        device tensors: the local one): each payload is sealed where the owned ranges live
+        (`codec.encode(on_device=)`, the device checksum in its trailer) and sent as a uint8
+        tensor there, so the device-coded streams never reach the host; the local transport
+        hands it to receivers by CUDA IPC. On the CPU the same frames are sent as host bytes."""
         if op != AUTO and op not in (Op.XOR, Op.ADD, Op.OVERWRITE):
             raise ValueError(f"unknown operation {op!r}")
         if type(encode_threads) is not int or encode_threads < 0:
@@ -143,6 +149,7 @@ class Producer:
             raise ValueError(f"first_payload_elements must be a positive int or None, got {first_payload_elements!r}")
         if device_coding not in ("gpu", "always", "never"):
             raise ValueError(f"device_coding must be 'gpu', 'always' or 'never', got {device_coding!r}")
+        self.payload_device = _payload_device(owned, device_payloads, wire_version, key, end)
         self.wire_version = wire_version
         self.device_coding = device_coding
         self.conditioned = conditioned
@@ -363,7 +370,7 @@ class _Outbox:
         self.builder, self.moves, self.started = builder, moves, started
         self.queue = producer.encode_queue
         self.encoder = PayloadEncoder(transfer, producer.id, producer.specs, producer.key, producer.level,
-                                      producer.wire_version, skip)
+                                      producer.wire_version, skip, producer.payload_device)
         self.first_cut = producer.first_payload_elements or max(1, producer.max_payload_elements // 16)
         self.payload_ids: list[str] = []  # sent this attempt: what the manifest lists
         self.all_ids: list[str] = []  # ... and those cut but skipped (finished everywhere)
@@ -425,6 +432,26 @@ class _Outbox:
             self.producer.sent[pid] = (self.transfer.transfer_id, encoded.data)
         self.payload_ids.append(pid)
         rep.wire_bytes += len(encoded.data)
+
+
+def _payload_device(owned: list[OwnedRange], device_payloads: bool, wire_version: int, key: bytes | None,
+                    end: ProducerEnd) -> torch.device | None:
+    """Where payloads are sealed (Producer's `device_payloads`): the owned ranges' one
+    device, or None (host bytes). ValueError naming what rules it out."""
+    if not device_payloads:
+        return None
+    if wire_version != DEVICE_FORMAT:
+        raise ValueError(f"device_payloads needs wire_version {DEVICE_FORMAT}, got {wire_version}")
+    if key is not None:
+        raise ValueError("device_payloads cannot be signed: an HMAC needs the payload's bytes on the host "
+                         "(leave key unset, or device_payloads off)")
+    if not getattr(end, "carries_device_tensors", False):
+        raise ValueError(f"device_payloads needs a transport that carries device tensors (the local one); "
+                         f"{type(end).__name__} sends bytes")
+    devices = {r.tensor.device for r in owned if r.tensor is not None}
+    if len(devices) > 1:
+        raise ValueError(f"device_payloads needs the owned ranges on one device, they are on {sorted(map(str, devices))}")
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _whole_param(r: OwnedRange) -> torch.Tensor:

@@ -153,7 +153,9 @@ class TrainerRefit:
     the payloads and anchors (5, the host format; 6, the device format, experimental).
     `conditioned`: code records against the committed bits both ends hold where that is
     smaller (`nemo_dcr.wire.conditioned`); every receiver must read its committed canonical
-    bits (in place, or from a `nemo_dcr.mirror.CanonicalMirror`).
+    bits (in place, or from a `nemo_dcr.mirror.CanonicalMirror`). `device_payloads`
+    (wire_version 6, the local transport, no key): payloads are sealed on the trainer's
+    device and reach receivers by CUDA IPC (sender.Producer).
 
     `history` (a directory, "s3" for the s3 transport's bucket, or a `nemo_dcr.history.
     History`): after each commit the version's payloads are stored there as its delta,
@@ -187,6 +189,7 @@ class TrainerRefit:
         encode_threads: int = 0,
         wire_version: int = FORMAT_VERSION,
         conditioned: bool = False,
+        device_payloads: bool = False,
         baseline_dir: str | None = None,
         timeout_s: float = 300.0,
         params: dict[str, torch.Tensor] | None = None,
@@ -249,7 +252,8 @@ class TrainerRefit:
             self.producer = Producer(self.producer_ids[self.rank], owned, maps, specs, self.baseline, self.end,
                                      op=op, key=key, max_payload_elements=max_payload_elements, params=params,
                                      encode_threads=encode_threads, wire_version=wire_version,
-                                     state_digest=state_digest, conditioned=conditioned)
+                                     state_digest=state_digest, conditioned=conditioned,
+                                     device_payloads=device_payloads)
         except (ConverterError, ValueError, KeyError) as e:
             problem = f"rank {self.rank}: {type(e).__name__}: {e}"
         _raise_on_any_rank(problem)
@@ -424,7 +428,7 @@ class TrainerRefit:
         def produce(put):
             sent = self.producer.sent
             for pid, (_, data) in sent.items():
-                put(pid, data)
+                put(pid, data.cpu().numpy() if isinstance(data, torch.Tensor) else data)  # device payloads
             return {pid: tid for pid, (tid, _) in sent.items()}
         if not self._store(DELTAS, version, produce):
             self.anchor_due = True

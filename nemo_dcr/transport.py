@@ -44,6 +44,10 @@ class Event:
 
 
 class ProducerEnd(ABC):
+    # Whether `send` takes a payload as a device tensor too (the local transport: CUDA IPC);
+    # the others take bytes only.
+    carries_device_tensors = False
+
     @abstractmethod
     def send(self, transfer: TransferInfo, payload_id: str, data: bytes) -> None:
         """Deliver one payload to every receiver; blocks while in-flight bytes are at the bound."""

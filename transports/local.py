@@ -117,6 +117,8 @@ def _recv(sock: zmq.Socket, timeout_s: float) -> dict | None:
 
 
 class _LocalProducer(ProducerEnd):
+    carries_device_tensors = True
+
     def __init__(self, t: LocalTransport, producer_id: str):
         self.t, self.id = t, producer_id
         self.net = _Sockets(t)
