@@ -61,7 +61,11 @@ def cmd_receive(args) -> int:
     # next: keeping that memory saves the first touches (page faults) every refit.
     kept = not args.release_memory and keep_freed_memory()
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise SystemExit(f"--device {args.device!r} is not a torch device ({e})") from None
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16).to(device)
     model.eval()
     runtime = HFRuntime(model, checkpoint_dir=args.checkpoint, apply_threads=args.apply_threads)
     transport = registry.transport(args.transport, json.loads(args.transport_config))
@@ -72,7 +76,7 @@ def cmd_receive(args) -> int:
     params = sum(p.numel() for p in model.parameters())
     copied = (f", {runtime.privatized_bytes / 1e9:.2f} GB copied out of the checkpoint's memory map"
               if runtime.privatized_bytes else "")
-    print(f"[{args.id}] serving version 0 from {args.checkpoint} "
+    print(f"[{args.id}] serving version 0 from {args.checkpoint} on {device} "
           f"({params / 1e6:.1f}M params, loaded in {time.perf_counter() - t:.1f} s{copied}; freed memory "
           f"{'kept for the next refit' if kept else 'returned to the OS'})", flush=True)
     try:
@@ -342,6 +346,8 @@ def main(argv=None) -> int:
     r.add_argument("--id", required=True)
     r.add_argument("--transport", default="local")
     r.add_argument("--transport-config", default="{}")
+    r.add_argument("--device", default="cpu",
+                   help="where the model is served and refitted, a torch device: cpu (default), cuda, cuda:1")
     r.add_argument("--key-env", help="environment variable holding the HMAC key")
     r.add_argument("--history", help="catch up from this refit history when behind or uncertain: a directory, "
                                      "or 's3' (the s3 transport's bucket)")
