@@ -17,12 +17,13 @@ a. producer: the real `Producer(wire_version=6, device_coding="gpu")` (on CPU te
    >= 0.25. Check: every payload decoded on the host and applied to a host copy of the
    committed bits, then compared with the trainer's weights.
 b. refit: a whole refit of a small transformers model (Qwen3, 166M parameters) on the
-   device into a Hugging Face receiver (`HFRuntime` over the same model class on the same
-   device, on a thread) over the local transport, `TrainerRefit(wire_version=6)`, after
-   AdamW steps (lr 1e-5). The producer sends host bytes: `Producer.refit` encodes every
-   payload with `codec.encode`, which returns bytes, so the local transport's CUDA IPC
-   path (device tensors, tests/test_local_cuda_ipc.py) is not taken ("device_payloads":
-   false). Check: the receiver's weights against the trainer's, after the commit.
+   device into a Hugging Face receiver in its own process (`nemo-dcr receive --device`,
+   the same model class on the same device) over the local transport,
+   `TrainerRefit(wire_version=6, device_payloads=True)`, after AdamW steps (lr 1e-5): each
+   payload is sealed on the device (the device checksum in its trailer) and reaches the
+   receiver by CUDA IPC (on CPU tensors: through shared memory). Check, apart from the
+   refit's time: the receiver's whole state, tensor by tensor (`TrainerRefit.verify`),
+   against the trainer's, after the commit.
 c. decode: baseline-conditioned records (nemo_dcr.wire.conditioned) of N(0, 0.02) BF16
    weights after an AdamW-like step (lr 1e-5 times u ~ N(0, k^2), Adam's m / sqrt(v):
    k 0.05 and 0.15 move about 2% and 5% of the elements), decoded by the host's numba
@@ -41,9 +42,9 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -67,9 +68,6 @@ from nemo_dcr.wire import codec, conditioned  # noqa: E402
 from nemo_dcr.wire.conditioned_device import decode_conditioned_device, decode_positions_device  # noqa: E402
 
 TARGET_RATIO = 0.25
-DEVICE_PAYLOADS_REASON = ("Producer.refit encodes every payload with codec.encode, which returns host bytes (format "
-                          "v6 codes on the device, then copies the finished stream to the host); the local "
-                          "transport's CUDA IPC path carries device tensors only, so no payload takes it today")
 
 # Sizes: (full run, smoke run).
 PRODUCER_MODEL = {False: (2048, 12, 151936), True: (256, 1, 1000)}  # qwen3_shapes(hidden, layers, vocab)
@@ -297,14 +295,12 @@ def refit_part(dev: torch.device, smoke: bool, budget: Budget, assume: dict) -> 
     from nemo_dcr.capture import torch_owned_ranges
     from nemo_dcr.checkpoint import read_specs
     from nemo_dcr.layout import ParallelLayout
-    from nemo_dcr.receiver import Receiver
-    from nemo_dcr.runtimes.hf import HFRuntime
     from nemo_dcr.trainer import TrainerRefit
-    from nemo_dcr.verify import bit_mismatches
+    from nemo_dcr.verify import state_digests
 
     refits = 3
-    out = {"transport": "local", "device_payloads": False, "device_payloads_reason": DEVICE_PAYLOADS_REASON,
-           "rows": [], "all_bit_exact": False}
+    out = {"transport": "local", "device_payloads": True, "cuda_ipc": dev.type == "cuda",
+           "receiver": f"`nemo-dcr receive --device {dev.type}`: its own process", "rows": [], "all_bit_exact": False}
     if not budget.fits(assume["refit_part_s"], "the whole refit part", "refit"):
         return out
     cfg = Qwen3Config(tie_word_embeddings=False, **REFIT_MODEL[smoke])
@@ -313,25 +309,36 @@ def refit_part(dev: torch.device, smoke: bool, budget: Budget, assume: dict) -> 
     torch.manual_seed(0)
     ckpt = tmp / "ckpt"
     AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(ckpt)
-    transport = registry.transport("local", {"dir": str(tmp / "shm"), "timeout_s": 120}, receivers=["rx0"])
-    rx_model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(dev)
-    receiver = Receiver("rx0", HFRuntime(rx_model, checkpoint_dir=str(ckpt)), transport.receiver("rx0"))
-    thread = threading.Thread(target=receiver.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    specs = read_specs(str(ckpt))
-    refit = TrainerRefit(registry.converter("identity", model.config), specs, torch_owned_ranges(model),
-                         ParallelLayout(), transport, state_dir=str(tmp / "state"), wire_version=6, timeout_s=120)
-    coding = "gpu"
-    if dev.type != "cuda":  # TrainerRefit's producer codes GPU ranges on the device; on CPU, run that code anyway
-        refit.producer.device_coding = coding = "always"
-    params = sum(p.numel() for p in model.parameters())
-    setup_s = time.perf_counter() - t
-    print(f"[b] refit: Qwen3 of {params:,} parameters on {dev} -> HFRuntime on {dev}, local transport, "
-          f"TrainerRefit(wire_version=6), device_coding {coding!r}", flush=True)
-    gen = torch.Generator(device=dev).manual_seed(1)
+    config = {"dir": str(tmp / "shm"), "timeout_s": 120}
+    transport = registry.transport("local", config, receivers=["rx0"])
+    # CUDA IPC maps memory into another process only: the receiver runs in its own.
+    log = tmp / "rx0.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "nemo_dcr.cli", "receive", "--checkpoint", str(ckpt),
+                                 "--id", "rx0", "--transport", "local", "--transport-config", json.dumps(config),
+                                 "--device", str(dev)], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    refit = None
     try:
+        deadline = time.monotonic() + 300
+        while "serving version 0" not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"gpu_device_path: the receiver did not start:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.1)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        specs = read_specs(str(ckpt))
+        refit = TrainerRefit(registry.converter("identity", model.config), specs, torch_owned_ranges(model),
+                             ParallelLayout(), transport, state_dir=str(tmp / "state"), wire_version=6,
+                             device_payloads=True, timeout_s=120)
+        coding = "gpu"
+        if dev.type != "cuda":  # TrainerRefit's producer codes GPU ranges on the device; on CPU, run that code anyway
+            refit.producer.device_coding = coding = "always"
+        params = sum(p.numel() for p in model.parameters())
+        setup_s = time.perf_counter() - t
+        print(f"[b] refit: Qwen3 of {params:,} parameters on {dev} -> a receiver process (HFRuntime on {dev}), "
+              f"local transport, TrainerRefit(wire_version=6, device_payloads=True), device_coding {coding!r}, "
+              f"payloads {'by CUDA IPC' if dev.type == 'cuda' else 'through shared memory'}", flush=True)
+        gen = torch.Generator(device=dev).manual_seed(1)
         for version in range(1, refits + 2):  # the first: warm-up
             ids = torch.randint(0, cfg.vocab_size, (2, 32), device=dev, generator=gen)
             model(input_ids=ids, labels=ids).loss.backward()
@@ -345,15 +352,10 @@ def refit_part(dev: torch.device, smoke: bool, budget: Budget, assume: dict) -> 
             if not result.decision.committed:
                 sys.exit(f"gpu_device_path: refit {version} did not commit: {result.decision}")
             t = time.perf_counter()
-            deadline = time.monotonic() + 60
-            while receiver.serving_version != version:
-                if time.monotonic() > deadline:
-                    sys.exit(f"gpu_device_path: the receiver does not serve version {version}")
-                time.sleep(0.005)
-            expected = {k: v for k, v in model.state_dict().items() if k in specs}
-            bad = bit_mismatches(expected, receiver.runtime.canonical_state())
-            if bad:
-                sys.exit(f"gpu_device_path: refit {version} is not bit-exact: {bad[:5]}")
+            # Tensor by tensor: the receiver digests its whole state, compared with the trainer's.
+            problems = refit.verify(state_digests({k: v for k, v in model.state_dict().items() if k in specs}))
+            if set(problems) != {"rx0"} or any(problems.values()):
+                sys.exit(f"gpu_device_path: refit {version} is not bit-exact: {problems}")
             verify_s = time.perf_counter() - t
             m = result.metrics()
             row = {"version": version, "warm_up": version == 1, "refit_wall_s": wall, "bit_exact": True,
@@ -364,13 +366,16 @@ def refit_part(dev: torch.device, smoke: bool, budget: Budget, assume: dict) -> 
                   f"{m['payloads']} payloads [diff {m['producer_diff_s']:.3f}, encode {m['producer_encode_s']:.3f},"
                   f" transfer {m['producer_transfer_s']:.3f} s]; bit-exact (check {verify_s:.2f} s)", flush=True)
     finally:
-        refit.close(shutdown_receivers=True)
-        thread.join(timeout=10)
-        receiver.stop()
-        receiver.end.close()
+        if refit is not None:
+            refit.close(shutdown_receivers=True)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
         transport.cleanup()
         if dist.is_initialized():
             dist.destroy_process_group()
+        out["receiver_log_tail"] = log.read_text(errors="replace")[-2000:]
         shutil.rmtree(tmp, ignore_errors=True)
     measured = [r for r in out["rows"] if not r["warm_up"]]
     out.update({"model": {"config": {"family": "qwen3", "tie_word_embeddings": False, **REFIT_MODEL[smoke]},
@@ -569,7 +574,8 @@ def main() -> None:
                   f"{r['changed_elements']:,} | {r['change_rate']:.2%} | {r['wire_bytes']:,} | {r['payloads']} | "
                   f"{r['producer_diff_s']:.3f} | {r['producer_encode_s']:.3f} | {r['producer_transfer_s']:.3f} | "
                   f"{r['verify_s']:.2f} |")
-        print(f"device payloads: {result['refit'].get('device_payloads')} ({DEVICE_PAYLOADS_REASON})")
+        print(f"device payloads: {result['refit'].get('device_payloads')}, by CUDA IPC: "
+              f"{result['refit'].get('cuda_ipc')}")
     if "decode" in parts:
         print("\n| universe | k | op | changed | host M el/s | device M el/s | host M changes/s | "
               "device M changes/s | device / host | bits to host s |")

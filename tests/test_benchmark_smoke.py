@@ -225,8 +225,8 @@ def test_real_deltas_benchmark_smoke(tmp_path):
 
 def test_gpu_device_path_benchmark_smoke(tmp_path):
     """The one-GPU script on CPU tensors (benchmarks/gpu_device_path.py): its three parts -
-    the v6 producer beside a device copy, a whole refit into a Hugging Face receiver over the
-    local transport, the conditioned decoders - each row checked bit for bit."""
+    the v6 producer beside a device copy, a whole refit with device payloads into a Hugging
+    Face receiver process over the local transport, the conditioned decoders - each row checked bit for bit."""
     out = tmp_path / "gpu_device_path.json"
     proc = subprocess.run([sys.executable, "benchmarks/gpu_device_path.py", "--device", "cpu", "--smoke", "--json",
                            str(out)], cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300)
@@ -242,7 +242,8 @@ def test_gpu_device_path_benchmark_smoke(tmp_path):
         assert r["bit_exact"] and r["verify_s"] > 0 and r["changed"] > 0 and r["wire_bytes"] > 0
         assert r["memcpy_gbs"] > 0 and r["ratio_to_memcpy"] == r["refit_gbs"] / r["memcpy_gbs"] > 0
     refit = res["refit"]
-    assert refit["device_payloads"] is False and "codec.encode" in refit["device_payloads_reason"]
+    assert refit["device_payloads"] is True and refit["cuda_ipc"] is False  # CPU tensors: through shared memory
+    assert "serving version 0" in refit["receiver_log_tail"]  # the receiver ran in its own process
     assert refit["all_bit_exact"] and len(refit["rows"]) == 4 and refit["rows"][0]["warm_up"]
     for r in refit["rows"]:
         assert r["bit_exact"] and r["committed"] and r["changed_elements"] > 0 and r["refit_wall_s"] > 0
