@@ -65,8 +65,8 @@ class ConditionedCosts:
     measured here."""
 
     wire_ratio: float = 0.709  # conditioned / plain wire bytes on those deltas
-    encode_elements_per_s_per_core: float = 297e6  # the producer's extra pass and coding, per element scanned
-    decode_elements_per_s_per_core: float = 409e6  # a receiver's pass over each record's universe
+    encode_elements_per_s_per_core: float = 288e6  # the producer's extra pass and coding, per element scanned
+    decode_elements_per_s_per_core: float = 437e6  # a receiver's pass over each record's universe
 
 
 @dataclass
