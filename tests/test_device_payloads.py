@@ -146,10 +146,15 @@ def test_producer_device_payloads_carry_the_device_coded_streams_and_rebuild_the
     assert np.array_equal(held, w.view(torch.int16).numpy().view(np.uint16))
 
 
-def test_a_refit_with_device_payloads_over_the_local_transport_is_bit_exact(checkpoint, tmp_path):  # noqa: F811
-    """Receivers verify the device checksum; the stored deltas (for catch-up) are the frames sent."""
-    s = Setup(checkpoint, tmp_path, refit_kw=dict(wire_version=6, device_payloads=True,
-                                                  history=str(tmp_path / "history")))
+@pytest.mark.usefixtures("single_rank_group")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_a_refit_with_device_payloads_over_the_local_transport_is_bit_exact(checkpoint, tmp_path, device):  # noqa: F811
+    """Receivers verify the device checksum; the stored deltas (for catch-up) are the frames
+    sent. cuda: the receivers are threads of the trainer's process, handed its tensors (CUDA
+    IPC cannot map memory into the process that owns it)."""
+    s = Setup(checkpoint, tmp_path, device=device, refit_kw=dict(wire_version=6, device_payloads=True,
+                                                                 history=str(tmp_path / "history")))
     try:
         for version in (1, 2):
             s.step()

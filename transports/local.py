@@ -10,8 +10,9 @@ memory use stays bounded.
 CUDA tensors (1-D uint8) sent instead of bytes travel by CUDA IPC: the producer exports
 a handle to the device memory (NVLink / PCIe peer access between GPUs of the node), the
 receiver maps it and gets a device tensor; no host copy is made by the transport. The
-producer keeps the tensor alive until every receiver staged it. CUDA IPC needs separate
-processes (it cannot map memory into the process that owns it).
+producer keeps the tensor alive until every receiver staged it. CUDA IPC cannot map
+memory into the process that owns it, so a receiver in the producer's own process (on a
+thread) is handed the producer's tensor itself.
 
 Configuration (all optional): dir (default /dev/shm/nemo-dcr), max_in_flight_bytes
 (default 256 MiB), timeout_s (default 120).
@@ -20,6 +21,7 @@ Configuration (all optional): dir (default /dev/shm/nemo-dcr), max_in_flight_byt
 from __future__ import annotations
 
 import base64
+import itertools
 import mmap
 import os
 import shutil
@@ -40,6 +42,11 @@ from nemo_dcr.transport import (
 )
 
 DEFAULTS = {"dir": "/dev/shm/nemo-dcr", "max_in_flight_bytes": 256 << 20, "timeout_s": 120.0}
+
+# Device payloads in flight from producers of this process, by token: what a receiver in
+# the same process takes instead of mapping the CUDA IPC handle.
+_IN_PROCESS: dict[str, object] = {}
+_TOKENS = itertools.count()
 
 
 class LocalTransport(Transport):
@@ -123,7 +130,7 @@ class _LocalProducer(ProducerEnd):
         self.t, self.id = t, producer_id
         self.net = _Sockets(t)
         self.acks = self.net.bind_pull(t.endpoint("prod", producer_id))
-        # payload -> (segment path or device tensor, size, receivers still to stage it)
+        # payload -> (segment path or device payload token, size, receivers still to stage it)
         self.in_flight: dict[str, tuple[object, int, set[str]]] = {}
         self.in_flight_bytes = 0
         self.rejected: dict[str, dict[str, str]] = {}
@@ -136,7 +143,9 @@ class _LocalProducer(ProducerEnd):
                 "payload_id": payload_id, "size": size}
         if _is_cuda(data):
             note["cuda_ipc"] = _export_cuda(data)
-            keep = data  # the device memory must outlive every receiver's mapping
+            token = note["cuda_ipc"]["in_process"] = f"{os.getpid()}:{next(_TOKENS)}"
+            _IN_PROCESS[token] = data
+            keep = token  # the device memory must outlive every receiver's mapping (_release drops it)
         else:
             folder = os.path.join(self.t.dir, "data", transfer.transfer_id)
             os.makedirs(folder, exist_ok=True)
@@ -275,11 +284,13 @@ class _LocalCoordinator(CoordinatorEnd):
 
 def _release(keep) -> None:
     """Drop what backs a staged payload: a shared-memory segment, or a device tensor."""
-    if isinstance(keep, str):
-        try:
-            os.unlink(keep)
-        except FileNotFoundError:
-            pass
+    if keep in _IN_PROCESS:
+        del _IN_PROCESS[keep]
+        return
+    try:
+        os.unlink(keep)
+    except FileNotFoundError:
+        pass
 
 
 def _is_cuda(data) -> bool:
@@ -303,8 +314,13 @@ def _export_cuda(t) -> dict:
 
 
 def _import_cuda(h: dict):
-    """Map a producer's device memory (the inverse of _export_cuda)."""
+    """Map a producer's device memory (the inverse of _export_cuda); in the producer's own
+    process, its tensor."""
     import torch
+
+    own = _IN_PROCESS.get(h.get("in_process", ""))
+    if own is not None:
+        return own
 
     unb64 = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
     torch.cuda.init()  # mapping a handle in a process whose CUDA state is not set up yet segfaults
