@@ -30,7 +30,7 @@ from tests.test_local_refit import Setup, checkpoint  # noqa: F401
 
 S3Transport = pytest.importorskip("nemo_dcr.transports.s3", reason="needs boto3").S3Transport
 pytest.importorskip("flask", reason="moto's S3 server needs moto[server]")
-from nemo_dcr.transports.s3_store import ObjectStore  # noqa: E402 - after the skip for a missing boto3
+from nemo_dcr.transports.s3_store import Missing, ObjectStore  # noqa: E402 - after the skip for a missing boto3
 pytestmark = pytest.mark.usefixtures("single_rank_group")
 
 INFO = TransferInfo("t1", 0, 1, ("p0",))
@@ -319,6 +319,12 @@ def test_store_retries_what_botocore_does_not(server, proxy):
         assert store.get("dcr/big") == blob
         assert proxy.counts()["injected"] == {"reset": 3}
         assert server.client().list_multipart_uploads(Bucket=t.bucket).get("Uploads", []) == []
+        # An error answer (here 404) is read by botocore outside the code that wraps urllib3's
+        # errors: cut off, it reaches the store as urllib3's ProtocolError, retried all the same.
+        proxy.set_faults(Fault("reset", ops=("GET",), key="absent", after=True, limit=1))
+        with pytest.raises(Missing):
+            store.get("dcr/absent")
+        assert proxy.counts()["injected"] == {"reset": 4}
     finally:
         proxy.clear_faults()
         store.close()

@@ -49,6 +49,7 @@ try:
     import boto3
     from botocore import exceptions as bex
     from botocore.config import Config
+    from urllib3 import exceptions as urllib3_errors
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError("the s3 transport needs boto3: pip install 'nemo-dcr[s3]'") from e
 
@@ -59,7 +60,11 @@ _TRANSIENT_STATUS = (500, 502, 503, 504)
 _TRANSIENT_CODES = ("SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling",
                     "ThrottlingException", "RequestLimitExceeded")
 # No answer, or half of one: timeouts, refused / reset / closed connections, bodies cut off.
-_TRANSIENT_ERRORS = (bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError)
+# botocore reads a small response's body (an error's, for one) outside the code that wraps
+# urllib3's errors, so a connection reset there reaches the caller as urllib3's own.
+_TRANSIENT_ERRORS = (bex.HTTPClientError, bex.ConnectionError, bex.IncompleteReadError, urllib3_errors.HTTPError)
+# What an S3 call raises that `transient` judges.
+_CALL_ERRORS = (bex.ClientError, bex.BotoCoreError, urllib3_errors.HTTPError)
 _UNREACHABLE = (bex.EndpointConnectionError, bex.ConnectTimeoutError)
 _BACKOFF_S = (0.05, 2.0)  # first and longest pause between retries of one operation
 
@@ -77,7 +82,7 @@ def _code(e: bex.ClientError) -> str:
 
 
 def transient(e: Exception) -> bool:
-    """Whether botocore's error `e` may go away when the request is made again."""
+    """Whether botocore's (or urllib3's) error `e` may go away when the request is made again."""
     if isinstance(e, bex.ClientError):
         return _status(e) in _TRANSIENT_STATUS or _code(e) in _TRANSIENT_CODES
     return isinstance(e, _TRANSIENT_ERRORS)
@@ -161,7 +166,7 @@ class S3Bucket:
                     s3.head_bucket(Bucket=self.name)
                     self._checked = True
                     return
-                except (bex.ClientError, bex.BotoCoreError) as e:
+                except _CALL_ERRORS as e:
                     if not transient(e):
                         raise self.error(e, "checking the bucket") from None
                     if time.monotonic() + 0.2 >= deadline:
@@ -219,7 +224,7 @@ class ObjectStore:
             tries += 1
             try:
                 return fn(**kw)
-            except (bex.ClientError, bex.BotoCoreError) as e:
+            except _CALL_ERRORS as e:
                 if not transient(e):
                     raise
                 spent = time.monotonic() - start
