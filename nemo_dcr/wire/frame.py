@@ -38,7 +38,7 @@ import zstandard
 from ..errors import PayloadRejected
 from .errors import Malformed
 from .header import DecodeLimits, Section
-from .versions import READABLE_VERSIONS, readable_versions_text
+from .versions import DEVICE_FORMAT, READABLE_VERSIONS, readable_versions_text
 
 
 MAGIC = b"NDCR"
@@ -46,7 +46,6 @@ FLAG_HMAC = 0x0001
 FLAG_HEADER_ZSTD = 0x0002
 FLAG_DEVICE_CHECKSUM = 0x0004
 FLAGS = FLAG_HMAC | FLAG_HEADER_ZSTD | FLAG_DEVICE_CHECKSUM
-DEVICE_CHECKSUM_VERSION = 6  # the only format version whose frames may carry flag bit 2
 # Headers of at least this many bytes are sent zstd-compressed when that is smaller: a
 # payload of many records repeats every record's keys (~250 bytes a record as JSON).
 HEADER_ZSTD_MIN = 1024
@@ -136,8 +135,8 @@ def seal_on_device(version: int, hbytes: bytes, sections: list, device: torch.de
     header, the small tables of the sections) uploaded, each run of them in one copy. The
     trailer is the device checksum (flag bit 2), computed there; such a frame is never
     signed (an HMAC needs the bytes on the host)."""
-    if version != DEVICE_CHECKSUM_VERSION:
-        raise ValueError(f"a payload sealed on a device is format {DEVICE_CHECKSUM_VERSION}, got version {version}")
+    if version != DEVICE_FORMAT:
+        raise ValueError(f"a payload sealed on a device is format {DEVICE_FORMAT}, got version {version}")
     head, hbytes = _head(version, FLAG_DEVICE_CHECKSUM, hbytes)
     runs: list = [[head, hbytes]]  # host chunks joined into runs, tensors as they are
     for c in sections:
@@ -219,8 +218,8 @@ def parse_frame_head(mv: memoryview, limits: DecodeLimits) -> tuple[int, int, in
         raise Malformed(f"unsupported format version {version} (this decoder reads {readable_versions_text()})")
     if flags & ~FLAGS:
         raise Malformed(f"unknown flag bits 0x{flags & ~FLAGS:04x}")
-    if flags & FLAG_DEVICE_CHECKSUM and (version != DEVICE_CHECKSUM_VERSION or flags & FLAG_HMAC):
-        raise Malformed(f"flag bit 2 (device checksum) is only valid in format {DEVICE_CHECKSUM_VERSION} "
+    if flags & FLAG_DEVICE_CHECKSUM and (version != DEVICE_FORMAT or flags & FLAG_HMAC):
+        raise Malformed(f"flag bit 2 (device checksum) is only valid in format {DEVICE_FORMAT} "
                         f"and never with an HMAC (version {version}, flags 0x{flags:04x})")
     if hlen > limits.max_header_bytes:
         raise Malformed(f"header of {hlen} bytes exceeds limit max_header_bytes={limits.max_header_bytes}")
